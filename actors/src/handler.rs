@@ -1,0 +1,172 @@
+//! [`HandlerActor`]: runs the handlers of one event type.
+//!
+//! Owns the handlers registered for its event type `E`, in registration
+//! order. Receives [`Handle`] from the [`DedupActor`](crate::DedupActor):
+//! deserializes the body into `E` and runs every handler on the message's
+//! unit of work, replying [`Handled`]. A handler that panics fails its
+//! message (never the actor's other work) and the actor restarts itself
+//! through its [`Supervisor`](actix::Supervisor), via [`Restart`].
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use futures_util::FutureExt;
+use inbox::{DynEventHandler, Envelope, IntegrationEvent, UnitOfWork};
+use tracing::Instrument;
+
+/// Run the handlers for one message inside its unit of work.
+#[derive(Message)]
+#[rtype(result = "Handled")]
+pub struct Handle {
+    /// The message.
+    pub envelope: Envelope,
+    /// Its open transaction, with the inbox row claimed.
+    pub uow: UnitOfWork,
+}
+
+/// The reply to [`Handle`].
+pub enum Handled {
+    /// Every handler succeeded: the unit of work, ready to commit.
+    Done(UnitOfWork),
+    /// A handler failed, or the body is not the event. `uow` is `None` when
+    /// the connection's state is unknown (a panic mid-statement): it has been
+    /// discarded.
+    Failed {
+        /// The unit of work to roll back, if it can still be trusted.
+        uow: Option<UnitOfWork>,
+        /// What went wrong.
+        failure: HandlerFailure,
+    },
+}
+
+/// Why the handlers did not complete a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandlerFailure {
+    /// The body does not deserialize into the event: no attempt can succeed.
+    Malformed(String),
+    /// A handler returned an error.
+    Failed {
+        /// The handler's name.
+        handler: &'static str,
+        /// Its error, as text.
+        error: String,
+    },
+    /// A handler panicked.
+    Panicked {
+        /// The handler's name.
+        handler: &'static str,
+        /// The panic's message.
+        message: String,
+    },
+}
+
+/// Stop so that the supervisor restarts the actor (sent to itself after a
+/// handler panicked).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Restart;
+
+/// Runs the handlers registered for `E`.
+pub struct HandlerActor<E: IntegrationEvent> {
+    handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
+}
+
+impl<E: IntegrationEvent> HandlerActor<E> {
+    /// An actor over `handlers`, which run in this order.
+    pub fn new(handlers: Vec<Arc<dyn DynEventHandler<E>>>) -> Self {
+        Self {
+            handlers: handlers.into(),
+        }
+    }
+}
+
+impl<E: IntegrationEvent> Actor for HandlerActor<E> {
+    type Context = Context<Self>;
+}
+
+impl<E: IntegrationEvent> Supervised for HandlerActor<E> {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
+        tracing::warn!(
+            r#type = E::TYPE,
+            "handler actor restarted after a handler panicked"
+        );
+    }
+}
+
+impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
+    // Its own task per message: messages of one type run concurrently, and a
+    // slow handler does not hold up the mailbox.
+    type Result = ResponseFuture<Handled>;
+
+    fn handle(&mut self, msg: Handle, ctx: &mut Context<Self>) -> Self::Result {
+        let handlers = Arc::clone(&self.handlers);
+        let myself = ctx.address();
+        let span = msg.envelope.span.clone();
+        Box::pin(run_handlers(handlers, msg, myself).instrument(span))
+    }
+}
+
+impl<E: IntegrationEvent> actix::Handler<Restart> for HandlerActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, _: Restart, ctx: &mut Context<Self>) {
+        ctx.stop();
+    }
+}
+
+async fn run_handlers<E: IntegrationEvent>(
+    handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
+    Handle { envelope, mut uow }: Handle,
+    myself: Addr<HandlerActor<E>>,
+) -> Handled {
+    let event: E = match serde_json::from_slice(&envelope.body) {
+        Ok(event) => event,
+        Err(e) => {
+            let failure = HandlerFailure::Malformed(format!("body is not a valid `{}`: {e}", E::TYPE));
+            return Handled::Failed {
+                uow: Some(uow),
+                failure,
+            };
+        }
+    };
+    for handler in handlers.iter() {
+        let name = handler.name();
+        match AssertUnwindSafe(handler.handle(&event, &mut uow))
+            .catch_unwind()
+            .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                let failure = HandlerFailure::Failed {
+                    handler: name,
+                    error: error.to_string(),
+                };
+                return Handled::Failed {
+                    uow: Some(uow),
+                    failure,
+                };
+            }
+            Err(panic) => {
+                // The panic may have struck mid-statement: discard the
+                // connection rather than trust a ROLLBACK on it.
+                drop(uow);
+                myself.do_send(Restart);
+                let failure = HandlerFailure::Panicked {
+                    handler: name,
+                    message: panic_message(panic.as_ref()),
+                };
+                return Handled::Failed { uow: None, failure };
+            }
+        }
+    }
+    Handled::Done(uow)
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

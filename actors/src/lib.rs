@@ -1,0 +1,35 @@
+//! `inbox-actors`: the actix actors that run [`inbox`].
+//!
+//! ```text
+//! RabbitMQ ─Delivery─▶ ConsumerActor ─Deliver─▶ DedupActor ─Handle─▶ HandlerActor<E>
+//!   (one per queue)         ▲                    (pool, store)        (one per event type)
+//!                           └──── Outcome ◀──────────┘ ◀──── Handled ─────┘
+//! ```
+//!
+//! - [`Runtime`]: built from [`inbox::Settings`] with
+//!   [`Runtime::builder`], registers handlers per event type, starts the
+//!   actors, drains them at shutdown.
+//! - [`ConsumerActor`]: one RabbitMQ queue; acks, nacks or rejects each
+//!   delivery from its [`Outcome`].
+//! - [`DedupActor`]: owns the pool; claims the message in the inbox, runs
+//!   the handlers in one unit of work, commits or rolls back.
+//! - [`HandlerActor`]: the handlers of one event type; a panic fails the
+//!   message and restarts the actor, nothing else.
+//! - [`Publisher`]: publishes over the broker, or in process.
+//! - [`Stats`]: what happened to the messages, for logs and metrics.
+
+mod consumer;
+mod dedup;
+mod handler;
+mod publisher;
+mod runtime;
+mod stats;
+
+pub use consumer::{ConsumerActor, Drain};
+pub use dedup::{Abandoned, DedupActor, Deliver, Outcome, Routes};
+pub use handler::{Handle, Handled, HandlerActor, HandlerFailure, Restart};
+pub use publisher::Publisher;
+pub use runtime::{Runtime, RuntimeBuilder};
+pub use stats::{Stats, StatsSnapshot};
+
+pub use inbox;

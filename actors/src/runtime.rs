@@ -1,0 +1,293 @@
+//! The runtime: wires the actors from [`Settings`] and runs them until
+//! shutdown.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use futures_util::future::join_all;
+use inbox::deadpool_postgres::Pool;
+use inbox::lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use inbox::lapin::types::FieldTable;
+use inbox::{
+    DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
+    PgInboxStore, Provider, Result, Settings, amqp,
+};
+
+use crate::consumer::{ConsumerActor, Drain};
+use crate::dedup::{DedupActor, Routes};
+use crate::handler::HandlerActor;
+use crate::publisher::Publisher;
+use crate::stats::{Stats, StatsSnapshot};
+
+/// The consumer id in-process publishing uses when no queue is configured.
+const IN_PROCESS_CONSUMER: &str = "in_process";
+
+/// Collects handlers, then [`start`](Self::start)s the runtime.
+pub struct RuntimeBuilder {
+    settings: Settings,
+    routes: HashMap<&'static str, Box<dyn Route>>,
+    store: Option<Arc<dyn DynInboxStore>>,
+    error: Option<Error>,
+}
+
+impl RuntimeBuilder {
+    /// Registers `handler` for its event type `E`. Handlers of one type run
+    /// in registration order, in one transaction.
+    pub fn handler<E, H>(mut self, handler: H) -> Self
+    where
+        E: IntegrationEvent,
+        H: EventHandler<E>,
+    {
+        let route = self
+            .routes
+            .entry(E::TYPE)
+            .or_insert_with(|| Box::new(HandlerSet::<E>(Vec::new())));
+        match route.as_any().downcast_mut::<HandlerSet<E>>() {
+            Some(set) => set.0.push(Arc::new(handler)),
+            None => {
+                self.error.get_or_insert(Error::Runtime(format!(
+                    "two event types share the type name `{}`: {} and another",
+                    E::TYPE,
+                    std::any::type_name::<E>()
+                )));
+            }
+        }
+        self
+    }
+
+    /// Uses `store` instead of the one `message_bus.enable_inbox` resolves
+    /// to ([`PgInboxStore`] when on, [`NoopInboxStore`] when off).
+    pub fn inbox_store<S: InboxStore>(mut self, store: S) -> Self {
+        self.store = Some(Arc::new(store));
+        self
+    }
+
+    /// Validates the settings, runs the migrations, starts the actors and,
+    /// for `rabbitmq`, starts consuming every configured queue. Call it
+    /// inside an actix `System` (`#[actix::main]`, `#[actix::test]`).
+    pub async fn start(self) -> Result<Runtime> {
+        let Self {
+            settings,
+            routes,
+            store,
+            error,
+        } = self;
+        if let Some(error) = error {
+            return Err(error);
+        }
+        settings.validate()?;
+
+        let pool = inbox::create_pool(&settings)?;
+        if settings.database.run_migrations {
+            let mut connection = pool.get().await?;
+            inbox::run_migrations(&mut connection).await?;
+        }
+        let inbox_on = settings.is_inbox_enabled();
+        if settings.message_bus.provider == Provider::Rabbitmq && !inbox_on {
+            tracing::warn!(
+                "message_bus.enable_inbox is false on a rabbitmq host: every redelivery (a lost ack, a crash, a \
+                 redeploy) will reach the handlers again. The inbox_messages table already exists, so turning \
+                 the inbox on is a settings change and a restart."
+            );
+        }
+        let store = store.unwrap_or_else(|| {
+            if inbox_on {
+                Arc::new(PgInboxStore)
+            } else {
+                Arc::new(NoopInboxStore)
+            }
+        });
+
+        let routes: Routes = routes
+            .into_iter()
+            .map(|(event_type, route)| (event_type.to_owned(), route.start()))
+            .collect();
+        let stats = Arc::new(Stats::default());
+        let dedup = {
+            let (pool, stats) = (pool.clone(), Arc::clone(&stats));
+            let lock_timeout = settings.database.lock_timeout;
+            Supervisor::start(move |_| DedupActor::new(pool, store, routes, lock_timeout, stats))
+        };
+
+        let mut runtime = Runtime {
+            publisher: Publisher::InProcess {
+                dedup: dedup.clone().recipient(),
+                consumer: settings
+                    .queues
+                    .first()
+                    .map_or(IN_PROCESS_CONSUMER, |q| q.consumer_id())
+                    .into(),
+            },
+            settings,
+            pool,
+            dedup,
+            connection: None,
+            consumers: Vec::new(),
+            stats,
+        };
+        if runtime.settings.message_bus.provider == Provider::Rabbitmq
+            && let Err(e) = runtime.start_consuming().await
+        {
+            runtime.shutdown().await;
+            return Err(e);
+        }
+        Ok(runtime)
+    }
+}
+
+/// A started runtime. Keep it for as long as the service runs; end it with
+/// [`shutdown`](Self::shutdown) or [`run_until_signal`](Self::run_until_signal).
+pub struct Runtime {
+    settings: Settings,
+    pool: Pool,
+    dedup: Addr<DedupActor>,
+    connection: Option<inbox::lapin::Connection>,
+    consumers: Vec<Addr<ConsumerActor>>,
+    publisher: Publisher,
+    stats: Arc<Stats>,
+}
+
+impl Runtime {
+    /// A builder over `settings`.
+    pub fn builder(settings: Settings) -> RuntimeBuilder {
+        RuntimeBuilder {
+            settings,
+            routes: HashMap::new(),
+            store: None,
+            error: None,
+        }
+    }
+
+    async fn start_consuming(&mut self) -> Result<()> {
+        let name = match self.settings.queues.first() {
+            Some(queue) => format!("inbox {}", queue.name),
+            None => "inbox publisher".to_owned(),
+        };
+        let connection = amqp::connect(&self.settings, &name).await?;
+        self.publisher = Publisher::Amqp(
+            inbox::AmqpPublisher::new(&connection, self.settings.message_bus.exchange.clone()).await?,
+        );
+        for queue in &self.settings.queues {
+            // A channel per queue, so each has its own prefetch.
+            let channel = connection.create_channel().await?;
+            amqp::declare_queue(&channel, queue).await?;
+            channel
+                .basic_qos(queue.prefetch, BasicQosOptions { global: false })
+                .await?;
+            let stream = channel
+                .basic_consume(
+                    queue.name.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            let actor = ConsumerActor::new(
+                queue.name.clone(),
+                queue.consumer_id().into(),
+                channel,
+                stream,
+                self.dedup.clone().recipient(),
+                Arc::clone(&self.stats),
+            );
+            self.consumers.push(actor.start());
+        }
+        self.connection = Some(connection);
+        Ok(())
+    }
+
+    /// Publishes events: through the broker with confirms for `rabbitmq`,
+    /// straight to the handlers for `in_process`.
+    pub fn publisher(&self) -> &Publisher {
+        &self.publisher
+    }
+
+    /// What the runtime has done so far.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// The inbox's pool, for a service's own setup queries. Messages in
+    /// flight hold its connections; do not keep one for long.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The dedup actor: send it [`Deliver`](crate::Deliver) to feed the
+    /// inbox from a source of your own.
+    pub fn dedup(&self) -> &Addr<DedupActor> {
+        &self.dedup
+    }
+
+    /// The settings it runs with.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Waits for SIGINT or SIGTERM, then [`shutdown`](Self::shutdown)s.
+    pub async fn run_until_signal(self) -> Result<()> {
+        wait_for_signal().await?;
+        tracing::info!("shutdown signal received");
+        self.shutdown().await;
+        Ok(())
+    }
+
+    /// Stops consuming, lets the messages in flight finish (at most
+    /// `runtime.shutdown_timeout`; what does not finish is redelivered
+    /// later), then closes the broker connection and the pool.
+    pub async fn shutdown(self) {
+        let drains = join_all(self.consumers.iter().map(|consumer| consumer.send(Drain)));
+        let timeout = self.settings.runtime.shutdown_timeout;
+        if tokio::time::timeout(timeout, drains).await.is_err() {
+            tracing::warn!(
+                ?timeout,
+                "messages still in flight at the shutdown timeout; they will be redelivered"
+            );
+        }
+        if let Some(connection) = &self.connection
+            && let Err(e) = connection.close(200, "shutdown".into()).await
+        {
+            tracing::warn!(error = %e, "closing the broker connection failed");
+        }
+        self.pool.close();
+        tracing::info!(stats = ?self.stats.snapshot(), "runtime stopped");
+    }
+}
+
+async fn wait_for_signal() -> Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut terminate = signal(SignalKind::terminate())
+            .map_err(|e| Error::Runtime(format!("cannot listen for SIGTERM: {e}")))?;
+        tokio::select! {
+            result = tokio::signal::ctrl_c() => result.map_err(|e| Error::Runtime(format!("cannot listen for SIGINT: {e}"))),
+            _ = terminate.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c()
+        .await
+        .map_err(|e| Error::Runtime(format!("cannot listen for Ctrl-C: {e}")))
+}
+
+/// The handlers of one event type, before their actor starts.
+trait Route {
+    fn as_any(&mut self) -> &mut dyn Any;
+    fn start(self: Box<Self>) -> Recipient<crate::handler::Handle>;
+}
+
+struct HandlerSet<E>(Vec<Arc<dyn DynEventHandler<E>>>);
+
+impl<E: IntegrationEvent> Route for HandlerSet<E> {
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+
+    fn start(self: Box<Self>) -> Recipient<crate::handler::Handle> {
+        let handlers = self.0;
+        Supervisor::start(move |_| HandlerActor::new(handlers)).recipient()
+    }
+}

@@ -1,0 +1,165 @@
+//! The envelope: one delivery decoded per the wire-format contract, before
+//! its body is read as any particular event.
+
+use std::fmt;
+
+use lapin::BasicProperties;
+use lapin::types::FieldTable;
+use uuid::Uuid;
+
+use crate::event::{IntegrationEvent, Message};
+
+/// A delivery decoded per the wire contract: `message_id` (a UUID, the dedup
+/// key) and `type` (routes to handlers) are required, the body is JSON.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    /// The event's id, from the AMQP `message_id` property.
+    pub message_id: Uuid,
+    /// The event's type name, from the AMQP `type` property.
+    pub event_type: String,
+    /// The JSON body, not yet deserialized.
+    pub body: Vec<u8>,
+    /// The AMQP headers, as received.
+    pub headers: FieldTable,
+    /// Whether the broker says it delivered this message before.
+    pub redelivered: bool,
+    /// The span all work on this message runs in: `message_id`, `type`,
+    /// `consumer`, `redelivered`.
+    pub span: tracing::Span,
+}
+
+/// Why a delivery is not a valid envelope. Such a delivery can never succeed,
+/// so it is set aside (never requeued into a loop).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The AMQP `message_id` property is absent.
+    #[error("no message_id property (the dedup key is required)")]
+    MissingMessageId,
+    /// The AMQP `message_id` property is not a UUID.
+    #[error("message_id `{0}` is not a UUID")]
+    InvalidMessageId(String),
+    /// The AMQP `type` property is absent or empty.
+    #[error("no type property (it routes the message to its handlers)")]
+    MissingType,
+    /// The content type says the body is not JSON.
+    #[error("content_type `{0}` is not application/json")]
+    NotJson(String),
+}
+
+impl Envelope {
+    /// Decodes a delivery's properties and body, as received by `consumer`.
+    pub fn decode(
+        properties: &BasicProperties,
+        body: Vec<u8>,
+        redelivered: bool,
+        consumer: &str,
+    ) -> Result<Self, DecodeError> {
+        let raw_id = properties
+            .message_id()
+            .as_ref()
+            .ok_or(DecodeError::MissingMessageId)?;
+        let message_id = Uuid::try_parse(raw_id.as_str())
+            .map_err(|_| DecodeError::InvalidMessageId(raw_id.as_str().to_owned()))?;
+        let event_type = match properties.kind() {
+            Some(kind) if !kind.as_str().is_empty() => kind.as_str().to_owned(),
+            _ => return Err(DecodeError::MissingType),
+        };
+        // Absent is accepted: not every publisher sets it, and the body is
+        // checked as JSON anyway when it is deserialized.
+        if let Some(content_type) = properties.content_type()
+            && !content_type.as_str().starts_with(JSON)
+        {
+            return Err(DecodeError::NotJson(content_type.as_str().to_owned()));
+        }
+        Ok(Self {
+            span: span(message_id, &event_type, consumer, redelivered),
+            message_id,
+            event_type,
+            body,
+            headers: properties.headers().clone().unwrap_or_default(),
+            redelivered,
+        })
+    }
+
+    /// The envelope of a message published in process, for `consumer`.
+    pub fn from_message<E: IntegrationEvent>(message: &Message<E>, consumer: &str) -> crate::Result<Self> {
+        Ok(Self {
+            span: span(message.id, E::TYPE, consumer, false),
+            message_id: message.id,
+            event_type: E::TYPE.to_owned(),
+            body: message.to_json()?,
+            headers: FieldTable::default(),
+            redelivered: false,
+        })
+    }
+}
+
+fn span(message_id: Uuid, event_type: &str, consumer: &str, redelivered: bool) -> tracing::Span {
+    tracing::info_span!("message", %message_id, r#type = event_type, consumer, redelivered)
+}
+
+pub(crate) const JSON: &str = "application/json";
+
+/// The properties that identify a delivery in a log line, valid or not.
+pub struct DeliveryLabel<'a>(pub &'a BasicProperties);
+
+impl fmt::Display for DeliveryLabel<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = |v: &Option<lapin::types::ShortString>| v.as_ref().map(|s| s.as_str().to_owned());
+        write!(
+            f,
+            "message_id={:?} type={:?} content_type={:?}",
+            text(self.0.message_id()),
+            text(self.0.kind()),
+            text(self.0.content_type()),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(id: Option<&str>, kind: Option<&str>) -> BasicProperties {
+        let mut p = BasicProperties::default().with_content_type(JSON.into());
+        if let Some(id) = id {
+            p = p.with_message_id(id.into());
+        }
+        if let Some(kind) = kind {
+            p = p.with_type(kind.into());
+        }
+        p
+    }
+
+    #[test]
+    fn decodes_a_well_formed_delivery() {
+        let id = Uuid::now_v7();
+        let env = Envelope::decode(
+            &props(Some(&id.to_string()), Some("T")),
+            b"{}".to_vec(),
+            true,
+            "c",
+        )
+        .unwrap();
+        assert_eq!(
+            (env.message_id, env.event_type.as_str(), env.redelivered),
+            (id, "T", true)
+        );
+    }
+
+    #[test]
+    fn rejects_each_malformed_kind_with_its_reason() {
+        let id = Uuid::now_v7().to_string();
+        let decode = |p: BasicProperties| Envelope::decode(&p, vec![], false, "c").unwrap_err();
+        assert_eq!(decode(props(None, Some("T"))), DecodeError::MissingMessageId);
+        assert_eq!(
+            decode(props(Some("42"), Some("T"))),
+            DecodeError::InvalidMessageId("42".into())
+        );
+        assert_eq!(decode(props(Some(&id), None)), DecodeError::MissingType);
+        assert_eq!(decode(props(Some(&id), Some(""))), DecodeError::MissingType);
+        let xml = props(Some(&id), Some("T")).with_content_type("text/xml".into());
+        assert_eq!(decode(xml), DecodeError::NotJson("text/xml".into()));
+    }
+}

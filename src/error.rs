@@ -1,0 +1,114 @@
+//! The crate's one error type.
+
+use tokio_postgres::error::SqlState;
+
+/// What a handler returns when it fails: whatever error the handler has, boxed.
+pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with this crate's [`Error`] as the default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `inbox`, outside a handler's own code.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A setting has a value the runtime cannot use; `key` names it as written
+    /// in `config/default.toml` (`section.key`).
+    #[error("invalid setting `{key}`: {reason}")]
+    Setting {
+        /// The setting, as `section.key`.
+        key: String,
+        /// What is wrong with its value.
+        reason: String,
+    },
+
+    /// The settings files or environment could not be read or layered.
+    #[error("cannot load settings: {0}")]
+    Config(#[from] config::ConfigError),
+
+    /// A PostgreSQL statement failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+
+    /// No connection could be taken from the pool.
+    #[error("database pool error: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+
+    /// A RabbitMQ operation failed.
+    #[error("broker error: {0}")]
+    Broker(#[from] lapin::Error),
+
+    /// The broker did not confirm a publish (nack, or the message was unroutable).
+    #[error("broker did not accept the message {message_id} for `{routing_key}`: {reason}")]
+    NotConfirmed {
+        /// The message's id.
+        message_id: uuid::Uuid,
+        /// Where it was sent.
+        routing_key: String,
+        /// What the broker said.
+        reason: String,
+    },
+
+    /// An event could not be serialized to JSON.
+    #[error("cannot serialize event `{event_type}`: {source}")]
+    Serialize {
+        /// The event's type name.
+        event_type: &'static str,
+        /// The serializer's error.
+        source: serde_json::Error,
+    },
+
+    /// The runtime was asked for something its state does not allow
+    /// (started twice, handlers that clash, a stopped actor).
+    #[error("{0}")]
+    Runtime(String),
+
+    /// A message was handed to the handlers and they did not complete it.
+    /// Returned by in-process publishing, where the caller is the consumer.
+    #[error("message {message_id} was abandoned: {reason}")]
+    Abandoned {
+        /// The message's id.
+        message_id: uuid::Uuid,
+        /// Why it was abandoned.
+        reason: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn setting(key: &str, reason: impl Into<String>) -> Self {
+        Error::Setting {
+            key: key.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The SQLSTATE of a database error, if this is one.
+    pub fn sql_state(&self) -> Option<&SqlState> {
+        match self {
+            Error::Database(e) => e.code(),
+            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.code(),
+            _ => None,
+        }
+    }
+
+    /// Whether the database said this transaction lost a race that a later
+    /// attempt can win: a concurrent claim of the same message (unique
+    /// violation, lock wait past `database.lock_timeout`), a serialization
+    /// failure, a deadlock or a cancelled statement. Classified by SQLSTATE,
+    /// never by message text.
+    pub fn is_transient(&self) -> bool {
+        self.sql_state().is_some_and(is_transient_state)
+    }
+}
+
+/// SQLSTATEs after which the message is worth delivering again as it is.
+pub(crate) fn is_transient_state(state: &SqlState) -> bool {
+    [
+        SqlState::UNIQUE_VIOLATION,          // 23505: a concurrent claim committed first
+        SqlState::T_R_SERIALIZATION_FAILURE, // 40001
+        SqlState::T_R_DEADLOCK_DETECTED,     // 40P01
+        SqlState::LOCK_NOT_AVAILABLE,        // 55P03: lock_timeout
+        SqlState::QUERY_CANCELED,            // 57014: statement_timeout or cancel
+    ]
+    .contains(state)
+}

@@ -1,0 +1,52 @@
+//! `inbox`: exactly-once effects for RabbitMQ integration events on the
+//! consuming service's own PostgreSQL database.
+//!
+//! RabbitMQ delivers at least once. The inbox records every processed
+//! message's id in `inbox_messages` in the same transaction as the handlers'
+//! writes, so a redelivery finds the row and is skipped. This crate holds the
+//! pieces; `inbox-actors` runs them as actix actors.
+//!
+//! - [`Settings`]: layered configuration, validated, with
+//!   [`is_inbox_enabled`](Settings::is_inbox_enabled).
+//! - [`IntegrationEvent`] and [`Message`]: an event type and one identified
+//!   instance of it (a UUID v7 `message_id`).
+//! - [`Envelope`]: a delivery decoded per the wire contract.
+//! - [`UnitOfWork`]: one message's transaction; never pooled unfinished.
+//! - [`EventHandler`]: user code that writes through the unit of work.
+//! - [`InboxStore`]: [`PgInboxStore`] claims inside the unit of work;
+//!   [`NoopInboxStore`] never deduplicates.
+//! - [`run_migrations`]: creates `inbox_messages`, inbox on or off.
+//! - [`amqp`]: connecting, declaring queues, [`AmqpPublisher`].
+//! - [`Error`]: the one error type.
+
+mod db;
+mod envelope;
+mod error;
+mod event;
+mod handler;
+mod migrations;
+mod settings;
+mod store;
+mod unit_of_work;
+
+pub mod amqp;
+
+pub use amqp::AmqpPublisher;
+pub use db::create_pool;
+pub use envelope::{DecodeError, DeliveryLabel, Envelope};
+pub use error::{Error, HandlerError, Result};
+pub use event::{IntegrationEvent, Message};
+pub use handler::{DynEventHandler, EventHandler};
+pub use migrations::run_migrations;
+pub use settings::{
+    DatabaseSettings, MessageBusSettings, Provider, QueueKind, QueueSettings, RuntimeSettings, Settings,
+};
+pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
+pub use unit_of_work::UnitOfWork;
+
+// The dependencies that appear in this crate's signatures, so users never
+// fight a version mismatch.
+pub use deadpool_postgres;
+pub use lapin;
+pub use tokio_postgres;
+pub use uuid;

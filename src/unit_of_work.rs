@@ -1,0 +1,104 @@
+//! The unit of work: one message's transaction, owned, and never returned to
+//! the pool unfinished.
+
+use std::time::Duration;
+
+use deadpool_postgres::{ClientWrapper, Object};
+use tokio_postgres::error::SqlState;
+
+use crate::error::{Error, Result};
+
+/// One message's open transaction over a pooled connection. The inbox claim
+/// and every handler's writes run in it and commit together, or not at all.
+///
+/// Handlers borrow it (`&mut UnitOfWork`) and run SQL through
+/// [`client`](Self::client); [`commit`](Self::commit) and
+/// [`rollback`](Self::rollback) take it by value, so only its owner, the
+/// runtime, can finish it.
+///
+/// Dropped unfinished (a handler panicked, a future was cancelled, `COMMIT`
+/// failed), it discards its connection instead of returning it to the pool:
+/// deadpool would hand a connection still inside `BEGIN` to the next user
+/// whatever its recycling method, while a closed connection makes the server
+/// abort the transaction.
+#[derive(Debug)]
+pub struct UnitOfWork {
+    /// `Some` until finished or dropped.
+    connection: Option<Object>,
+    /// Set once `COMMIT` or `ROLLBACK` succeeded: only then may the
+    /// connection go back to the pool.
+    finished: bool,
+    /// The inbox row for this message is written (staged) in this
+    /// transaction; see [`InboxStore::complete`](crate::InboxStore::complete).
+    pub(crate) claimed: bool,
+}
+
+impl UnitOfWork {
+    /// Opens a transaction on `connection`. Lock waits inside it, the inbox
+    /// claim's above all, give up after `lock_timeout`.
+    pub async fn begin(connection: Object, lock_timeout: Duration) -> Result<Self> {
+        // Armed before BEGIN is sent: if this future is dropped mid-flight,
+        // Drop discards the connection rather than risk pooling an open
+        // transaction.
+        let uow = Self {
+            connection: Some(connection),
+            finished: false,
+            claimed: false,
+        };
+        // One round trip for both; SET LOCAL ends with the transaction.
+        let begin = format!(
+            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+            lock_timeout.as_millis().max(1)
+        );
+        uow.client().batch_execute(&begin).await?;
+        Ok(uow)
+    }
+
+    /// The connection, inside the transaction, for the handlers' SQL.
+    /// `prepare_cached` keeps prepared statements per connection.
+    pub fn client(&self) -> &ClientWrapper {
+        // Only `commit`, `rollback` and `Drop` take the connection out, and
+        // they consume or end `self`, so it is always here.
+        self.connection
+            .as_ref()
+            .expect("a live unit of work holds its connection")
+    }
+
+    /// Commits. Fails, and discards the connection, when any statement in
+    /// the transaction failed, even one a handler caught and ignored:
+    /// PostgreSQL answers `COMMIT` in an aborted transaction with a silent
+    /// rollback, which would otherwise look like success.
+    pub async fn commit(mut self) -> Result<()> {
+        // The probe fails with 25P02 in an aborted transaction, and then
+        // COMMIT in the same string is not executed.
+        match self.client().batch_execute("SELECT 1; COMMIT").await {
+            Ok(()) => {
+                self.finished = true;
+                Ok(())
+            }
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::Runtime(
+                "a statement in the transaction failed and a handler went on; nothing was committed".into(),
+            )),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Rolls back, keeping the connection for reuse when that succeeds.
+    pub async fn rollback(mut self) -> Result<()> {
+        self.client().batch_execute("ROLLBACK").await?;
+        self.finished = true;
+        Ok(())
+    }
+}
+
+impl Drop for UnitOfWork {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take()
+            && !self.finished
+        {
+            // Detach from the pool and close: the server aborts the
+            // transaction when the connection goes.
+            drop(Object::take(connection));
+        }
+    }
+}

@@ -1,0 +1,115 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use inbox_actors::Runtime;
+
+use crate::support::{Count, Counted, TestEnv, increment, wait_until};
+
+/// Counts its calls; fails (or panics) on the calls for `key` until it has
+/// been called `failures` times for it.
+struct Flaky {
+    key: i64,
+    failures: usize,
+    calls: Arc<AtomicUsize>,
+    panic: bool,
+}
+
+impl EventHandler<Counted> for Flaky {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
+            if self.panic {
+                panic!("flaky handler panics on purpose");
+            }
+            return Err("flaky handler fails on purpose".into());
+        }
+        increment(uow, "second_counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_failing_second_handler_rolls_back_the_first_and_the_redelivery_runs_both() {
+    let env = TestEnv::new("failing_handler").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let flaky = Flaky {
+        key: 5,
+        failures: 1,
+        calls: Arc::clone(&calls),
+        panic: false,
+    };
+    let runtime = Runtime::builder(env.settings())
+        .handler(Count)
+        .handler(flaky)
+        .start()
+        .await
+        .unwrap();
+    runtime
+        .publisher()
+        .publish(&env.queue, &Message::new(Counted { key: 5 }))
+        .await
+        .unwrap();
+
+    wait_until("the redelivery completes", || async {
+        runtime.stats().completed == 1
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!(stats.abandoned, 1, "the first attempt was abandoned");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the second handler ran again on redelivery"
+    );
+    // Count ran twice; had its first write survived the failure, it would read 2.
+    assert_eq!(
+        env.count("counts", 5).await,
+        1,
+        "the first handler's write was rolled back"
+    );
+    assert_eq!(env.count("second_counts", 5).await, 1);
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 1);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing() {
+    let env = TestEnv::new("panicking_handler").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let flaky = Flaky {
+        key: 0,
+        failures: 2,
+        calls: Arc::clone(&calls),
+        panic: true,
+    };
+    let runtime = Runtime::builder(env.settings())
+        .handler(Count)
+        .handler(flaky)
+        .start()
+        .await
+        .unwrap();
+    for key in 0..30 {
+        runtime
+            .publisher()
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+
+    wait_until("all 30 complete", || async { runtime.stats().completed == 30 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!(stats.abandoned, 2, "two panics, two abandoned attempts");
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    for key in 0..30 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}, first handler");
+        assert_eq!(
+            env.count("second_counts", key).await,
+            1,
+            "key {key}, panicking handler"
+        );
+    }
+    assert_eq!(env.ready(&env.queue).await, 0);
+}

@@ -1,0 +1,274 @@
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use inbox::{InboxKey, InboxStore, Message, Provider, Result, UnitOfWork};
+use inbox_actors::Runtime;
+
+use crate::support::{Count, Counted, TestEnv, wait_until};
+
+#[actix_rt::test]
+async fn migrations_create_the_inbox_table_with_the_inbox_off() {
+    let env = TestEnv::new("migrations_inbox_off").await;
+    let mut settings = env.settings();
+    settings.message_bus.provider = Provider::InProcess;
+    settings.message_bus.enable_inbox = Some(false);
+    // Twice: the second run finds everything in place.
+    for _ in 0..2 {
+        Runtime::builder(settings.clone())
+            .start()
+            .await
+            .unwrap()
+            .shutdown()
+            .await;
+    }
+
+    let db = env.db().await;
+    let columns: Vec<(String, String, String)> = db
+        .query(
+            "SELECT column_name::text, data_type::text, is_nullable::text FROM information_schema.columns
+             WHERE table_name = 'inbox_messages' ORDER BY ordinal_position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let expected = [
+        ("consumer", "text"),
+        ("message_id", "uuid"),
+        ("event_type", "text"),
+        ("processed_at", "timestamp with time zone"),
+    ];
+    let expected: Vec<_> = expected
+        .iter()
+        .map(|(c, t)| (c.to_string(), t.to_string(), "NO".to_string()))
+        .collect();
+    assert_eq!(columns, expected);
+    let key: Vec<String> = db
+        .query(
+            "SELECT a.attname::text FROM pg_index i
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+             WHERE i.indrelid = 'inbox_messages'::regclass AND i.indisprimary
+             ORDER BY array_position(i.indkey, a.attnum)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(key, ["consumer", "message_id"]);
+    let indexed: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE tablename = 'inbox_messages' AND indexdef LIKE '%(processed_at)%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(indexed, 1, "no index on processed_at");
+}
+
+/// Collects what the tracing subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_rabbitmq_host_with_the_inbox_off_warns_once_and_no_other_host_does() {
+    let env = TestEnv::new("startup_warning").await;
+    let cases = [
+        (Provider::Rabbitmq, Some(false), 1),
+        (Provider::Rabbitmq, None, 0),
+        (Provider::Rabbitmq, Some(true), 0),
+        (Provider::InProcess, None, 0),
+        (Provider::InProcess, Some(false), 0),
+    ];
+    for (provider, enable_inbox, expected) in cases {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        let guard = tracing::subscriber::set_default(subscriber);
+        let mut settings = env.settings();
+        settings.message_bus.provider = provider;
+        settings.message_bus.enable_inbox = enable_inbox;
+        Runtime::builder(settings)
+            .handler(Count)
+            .start()
+            .await
+            .unwrap()
+            .shutdown()
+            .await;
+        drop(guard);
+
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let warnings: Vec<_> = text
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains("enable_inbox"))
+            .collect();
+        assert_eq!(
+            warnings.len(),
+            expected,
+            "{provider:?} enable_inbox={enable_inbox:?}:\n{text}"
+        );
+        if let Some(warning) = warnings.first() {
+            for words in [
+                "redelivery",
+                "reach the handlers again",
+                "already exists",
+                "restart",
+            ] {
+                assert!(
+                    warning.contains(words),
+                    "the warning does not say `{words}`: {warning}"
+                );
+            }
+        }
+    }
+}
+
+#[actix_rt::test]
+async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
+    let env = TestEnv::new("in_process").await;
+    let mut settings = env.settings();
+    settings.message_bus.provider = Provider::InProcess;
+    // Nothing listens there: connecting would fail the start.
+    settings.message_bus.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
+
+    let runtime = Runtime::builder(settings.clone())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let message = Message::new(Counted { key: 1 });
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    assert_eq!(
+        env.count("counts", 1).await,
+        1,
+        "handlers ran before publish returned"
+    );
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    assert_eq!(
+        env.count("counts", 1).await,
+        2,
+        "in_process leaves the inbox off by default"
+    );
+    runtime.shutdown().await;
+
+    settings.message_bus.enable_inbox = Some(true);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let message = Message::new(Counted { key: 2 });
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    assert_eq!(runtime.stats().duplicates, 1);
+    runtime.shutdown().await;
+    assert_eq!(
+        env.count("counts", 2).await,
+        1,
+        "explicitly on, the inbox deduplicates in process too"
+    );
+}
+
+#[actix_rt::test]
+async fn with_the_inbox_off_a_duplicate_runs_twice() {
+    let env = TestEnv::new("opt_out").await;
+    let mut settings = env.settings();
+    settings.message_bus.enable_inbox = Some(false);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let message = Message::new(Counted { key: 4 });
+    runtime.publisher().publish(&env.queue, &message).await.unwrap();
+    runtime.publisher().publish(&env.queue, &message).await.unwrap();
+    wait_until("both copies complete", || async {
+        runtime.stats().completed == 2
+    })
+    .await;
+    runtime.shutdown().await;
+
+    assert_eq!(env.count("counts", 4).await, 2, "the opt-out is real");
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 0);
+}
+
+/// A store written against the trait's two required methods only, over a
+/// table of its own, with a plain INSERT (no ON CONFLICT).
+struct HandWrittenStore;
+
+impl InboxStore for HandWrittenStore {
+    async fn already_processed(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<bool> {
+        let row = uow
+            .client()
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM my_inbox WHERE consumer = $1 AND id = $2)",
+                &[&key.consumer, &key.message_id],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    async fn mark_processed(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<()> {
+        uow.client()
+            .execute(
+                "INSERT INTO my_inbox (consumer, id) VALUES ($1, $2)",
+                &[&key.consumer, &key.message_id],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_store_with_only_the_two_required_methods_works_end_to_end() {
+    let env = TestEnv::new("hand_written_store").await;
+    env.db()
+        .await
+        .batch_execute("CREATE TABLE my_inbox (consumer text, id uuid, PRIMARY KEY (consumer, id))")
+        .await
+        .unwrap();
+    let runtime = Runtime::builder(env.settings())
+        .inbox_store(HandWrittenStore)
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let repeated = Message::new(Counted { key: 1 });
+    for _ in 0..3 {
+        runtime.publisher().publish(&env.queue, &repeated).await.unwrap();
+    }
+    runtime
+        .publisher()
+        .publish(&env.queue, &Message::new(Counted { key: 2 }))
+        .await
+        .unwrap();
+
+    // Copies in flight together race on the primary key: the losers are
+    // abandoned (23505), redelivered, and then found processed.
+    wait_until("every copy is settled", || async {
+        let s = runtime.stats();
+        s.completed == 2 && s.duplicates == 2
+    })
+    .await;
+    runtime.shutdown().await;
+
+    assert_eq!(env.count("counts", 1).await, 1);
+    assert_eq!(env.count("counts", 2).await, 1);
+    assert_eq!(env.scalar("SELECT count(*) FROM my_inbox").await, 2);
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM inbox_messages").await,
+        0,
+        "the built-in store was not used"
+    );
+    assert_eq!(env.ready(&env.queue).await, 0);
+}

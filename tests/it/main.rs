@@ -1,0 +1,15 @@
+//! Integration tests, against the real PostgreSQL and RabbitMQ on loopback.
+//! One binary, so the crates link once.
+
+mod support;
+
+// Redeliveries are skipped: duplicates, ten publishes, two runtimes, a crash between commit and ack.
+mod dedup;
+// Failing and panicking handlers roll everything back and run again on redelivery.
+mod failures;
+// Malformed deliveries and types without handlers are set aside, never looped.
+mod bad_input;
+// The unit of work never returns an open transaction to the pool.
+mod unit_of_work;
+// Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
+mod hosting;

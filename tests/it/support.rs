@@ -1,0 +1,220 @@
+//! Shared by the integration tests: an isolated database and queue per test,
+//! a counting event and its handlers, polling with a deadline.
+
+use std::future::Future;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use inbox::lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+use inbox::lapin::types::FieldTable;
+use inbox::lapin::{BasicProperties, Connection, ConnectionProperties};
+use inbox::tokio_postgres::{Client, NoTls};
+use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork};
+use serde::{Deserialize, Serialize};
+
+/// The test event: each one adds 1 to `counts` (and `second_counts`) at `key`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Counted {
+    pub key: i64,
+}
+
+impl IntegrationEvent for Counted {
+    const TYPE: &'static str = "Counted";
+}
+
+/// Adds 1 to `counts.n` at the event's key.
+pub struct Count;
+
+impl EventHandler<Counted> for Count {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, "counts", event.key).await
+    }
+}
+
+/// Adds 1 to `second_counts.n` at the event's key: a second handler.
+pub struct CountAgain;
+
+impl EventHandler<Counted> for CountAgain {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, "second_counts", event.key).await
+    }
+}
+
+pub async fn increment(uow: &mut UnitOfWork, table: &str, key: i64) -> Result<(), HandlerError> {
+    let sql = format!(
+        "INSERT INTO {table} (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = {table}.n + 1"
+    );
+    uow.client().execute(&sql, &[&key]).await?;
+    Ok(())
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+async fn connect(url: &str, dbname: Option<&str>) -> Client {
+    let mut config: inbox::tokio_postgres::Config = url.parse().expect("DATABASE_URL");
+    if let Some(name) = dbname {
+        config.dbname(name);
+    }
+    let (client, connection) = config.connect(NoTls).await.expect("connect to PostgreSQL");
+    tokio::spawn(connection);
+    client
+}
+
+/// One test's own database (`inbox_test_<name>`, made afresh) and queue
+/// (`test.<name>.<uuid>`), both removed when it drops, pass or fail.
+pub struct TestEnv {
+    pub database: String,
+    pub queue: String,
+}
+
+impl TestEnv {
+    pub async fn new(name: &str) -> Self {
+        let database = format!("inbox_test_{name}");
+        let admin = connect(&database_url(), None).await;
+        // Two calls: one string would run as one transaction, which
+        // DROP/CREATE DATABASE refuse.
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"),
+            format!("CREATE DATABASE {database}"),
+        ] {
+            admin.batch_execute(&sql).await.expect("create the test database");
+        }
+        let env = Self {
+            database,
+            queue: format!("test.{name}.{}", uuid::Uuid::now_v7()),
+        };
+        env.db()
+            .await
+            .batch_execute(
+                "CREATE TABLE counts (key bigint PRIMARY KEY, n bigint NOT NULL);
+                 CREATE TABLE second_counts (key bigint PRIMARY KEY, n bigint NOT NULL);",
+            )
+            .await
+            .expect("create the test tables");
+        env
+    }
+
+    /// `config/test.toml` pointed at this test's database and queue.
+    pub fn settings(&self) -> Settings {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut settings = Settings::load_environment(&dir, "test").expect("config/test.toml");
+        settings.database.url = database_url();
+        settings.database.name = Some(self.database.clone());
+        settings.message_bus.amqp_url = amqp_url();
+        settings.queues = vec![QueueSettings::new(&self.queue)];
+        settings
+    }
+
+    /// A connection to this test's database, outside the runtime.
+    pub async fn db(&self) -> Client {
+        connect(&database_url(), Some(&self.database)).await
+    }
+
+    pub async fn count(&self, table: &str, key: i64) -> i64 {
+        let row = self
+            .db()
+            .await
+            .query_opt(&format!("SELECT n FROM {table} WHERE key = $1"), &[&key])
+            .await
+            .unwrap();
+        row.map_or(0, |r| r.get(0))
+    }
+
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        self.db().await.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    /// Publishes raw properties and body to this test's queue, confirmed.
+    pub async fn publish_raw(&self, properties: BasicProperties, body: &[u8]) {
+        let connection = amqp().await;
+        let channel = connection.create_channel().await.unwrap();
+        channel.confirm_select(Default::default()).await.unwrap();
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+        connection.close(200, "done".into()).await.unwrap();
+    }
+
+    /// Messages ready in `queue` (not counting unacked ones).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        let connection = amqp().await;
+        let channel = connection.create_channel().await.unwrap();
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let q = channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .unwrap();
+        connection.close(200, "done".into()).await.unwrap();
+        q.message_count()
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let database = self.database.clone();
+        let queue = self.queue.clone();
+        // Drop cannot await, and may run while a test panics: clean up on a
+        // thread of its own with a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                if let Ok(connection) =
+                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+                {
+                    if let Ok(channel) = connection.create_channel().await {
+                        let _ = channel
+                            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                    let _ = connection.close(200, "cleanup".into()).await;
+                }
+                let admin = connect(&database_url(), None).await;
+                let _ = admin
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+                    .await;
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+pub async fn amqp() -> Connection {
+    Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("connect to RabbitMQ")
+}
+
+/// Polls `condition` until it holds, failing the test after 30 s with `what`.
+pub async fn wait_until<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
