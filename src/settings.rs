@@ -225,6 +225,17 @@ impl Settings {
         Ok(settings)
     }
 
+    /// Applies the conventional `DATABASE_URL` and `AMQP_URL` environment
+    /// variables, where set, over `database.url` and `message_bus.amqp_url`.
+    pub fn apply_conventional_urls(&mut self) {
+        if let Ok(url) = std::env::var("DATABASE_URL") {
+            self.database.url = url;
+        }
+        if let Ok(url) = std::env::var("AMQP_URL") {
+            self.message_bus.amqp_url = url;
+        }
+    }
+
     /// Whether the inbox deduplicates: an explicit `message_bus.enable_inbox`
     /// wins both ways; unset resolves on for `rabbitmq` (at-least-once
     /// delivery) and off for `in_process` (nothing is redelivered).

@@ -39,6 +39,7 @@ pub struct ConsumerActor {
     in_flight: usize,
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
+    stream_ended: bool,
 }
 
 impl ConsumerActor {
@@ -63,14 +64,18 @@ impl ConsumerActor {
             in_flight: 0,
             draining: false,
             drained: Vec::new(),
+            stream_ended: false,
         }
     }
 
-    fn message_done(&mut self) {
+    fn message_done(&mut self, ctx: &mut Context<Self>) {
         self.in_flight -= 1;
         if self.in_flight == 0 {
             for waiter in self.drained.drain(..) {
                 let _ = waiter.send(());
+            }
+            if self.stream_ended {
+                ctx.stop();
             }
         }
     }
@@ -108,14 +113,22 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
             self.dedup.clone(),
             Arc::clone(&self.stats),
         );
-        ctx.spawn(work.into_actor(self).map(|(), actor, _| actor.message_done()));
+        ctx.spawn(
+            work.into_actor(self)
+                .map(|(), actor, ctx| actor.message_done(ctx)),
+        );
     }
 
     fn finished(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
             tracing::error!(queue = %self.queue, "the broker ended the consumer; this queue is no longer consumed");
         }
-        ctx.stop();
+        // Stopping now would cancel the messages in flight before their
+        // acks: stop once the last one is settled.
+        self.stream_ended = true;
+        if self.in_flight == 0 {
+            ctx.stop();
+        }
     }
 }
 

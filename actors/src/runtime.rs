@@ -209,6 +209,12 @@ impl Runtime {
         self.stats.snapshot()
     }
 
+    /// The live counters, to read after the runtime has moved (a progress
+    /// log, a metrics exporter).
+    pub fn shared_stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.stats)
+    }
+
     /// The inbox's pool, for a service's own setup queries. Messages in
     /// flight hold its connections; do not keep one for long.
     pub fn pool(&self) -> &Pool {

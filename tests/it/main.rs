@@ -11,5 +11,7 @@ mod failures;
 mod bad_input;
 // The unit of work never returns an open transaction to the pool.
 mod unit_of_work;
+// Graceful shutdown: drain what is in flight, within the timeout.
+mod shutdown;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
 mod hosting;

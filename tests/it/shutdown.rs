@@ -1,0 +1,101 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use inbox_actors::Runtime;
+
+use crate::support::{Counted, TestEnv, increment, wait_until};
+
+/// Counts after a pause, and says when the first call began.
+struct Slow {
+    started: Arc<AtomicBool>,
+    pause: Duration,
+}
+
+impl EventHandler<Counted> for Slow {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        self.started.store(true, Ordering::SeqCst);
+        tokio::time::sleep(self.pause).await;
+        increment(uow, "counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
+    let env = TestEnv::new("shutdown_drains").await;
+    let mut settings = env.settings();
+    settings.queues[0].prefetch = 1;
+    let started = Arc::new(AtomicBool::new(false));
+    let slow = Slow {
+        started: Arc::clone(&started),
+        pause: Duration::from_millis(300),
+    };
+    let runtime = Runtime::builder(settings).handler(slow).start().await.unwrap();
+    for key in 0..5 {
+        runtime
+            .publisher()
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the first message is in its handler", || async {
+        started.load(Ordering::SeqCst)
+    })
+    .await;
+    let stats = runtime.shared_stats();
+    runtime.shutdown().await;
+
+    assert_eq!(stats.snapshot().completed, 1, "the message in flight finished");
+    assert_eq!(env.count("counts", 0).await, 1);
+    assert_eq!(
+        env.ready(&env.queue).await,
+        4,
+        "it was acked, and the rest wait in the queue"
+    );
+}
+
+#[actix_rt::test]
+async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost() {
+    let env = TestEnv::new("shutdown_times_out").await;
+    let mut settings = env.settings();
+    settings.queues[0].prefetch = 1;
+    settings.runtime.shutdown_timeout = Duration::from_millis(200);
+    let started = Arc::new(AtomicBool::new(false));
+    let slow = Slow {
+        started: Arc::clone(&started),
+        pause: Duration::from_secs(3),
+    };
+    let runtime = Runtime::builder(settings.clone())
+        .handler(slow)
+        .start()
+        .await
+        .unwrap();
+    let message = Message::new(Counted { key: 9 });
+    runtime.publisher().publish(&env.queue, &message).await.unwrap();
+    wait_until("the message is in its handler", || async {
+        started.load(Ordering::SeqCst)
+    })
+    .await;
+    runtime.shutdown().await;
+
+    // Its ack can no longer reach the broker: the message is back in the
+    // queue, and a new runtime skips it once the old transaction commits.
+    wait_until("the message is back in the queue", || async {
+        env.ready(&env.queue).await == 1
+    })
+    .await;
+    let slow = Slow {
+        started: Arc::new(AtomicBool::new(false)),
+        pause: Duration::ZERO,
+    };
+    let runtime = Runtime::builder(settings).handler(slow).start().await.unwrap();
+    wait_until("the redelivery is settled", || async {
+        let s = runtime.stats();
+        s.completed + s.duplicates == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 9).await, 1, "one effect across both runtimes");
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
