@@ -166,3 +166,44 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     assert_eq!(env.count("counts", 3).await, 1, "the redelivery had no effect");
     assert_eq!(env.ready(&env.queue).await, 0, "the redelivery was acked");
 }
+
+#[actix_rt::test]
+async fn a_copy_blocked_past_the_lock_timeout_is_redelivered_never_acked() {
+    let env = TestEnv::new("lock_timeout").await;
+    let mut settings = env.settings();
+    settings.database.lock_timeout = std::time::Duration::from_millis(100);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let message = Message::new(Counted { key: 8 });
+
+    // Another copy of the message is mid-transaction elsewhere: its inbox
+    // row is written and not yet committed.
+    let mut other = env.db().await;
+    let other_copy = other.transaction().await.unwrap();
+    other_copy
+        .execute(
+            "INSERT INTO inbox_messages VALUES ($1, $2, 'Counted', now())",
+            &[&env.queue, &message.id],
+        )
+        .await
+        .unwrap();
+    runtime.publisher().publish(&env.queue, &message).await.unwrap();
+    wait_until("the claim has timed out a few times", || async {
+        runtime.stats().abandoned >= 3
+    })
+    .await;
+    assert_eq!(
+        runtime.stats().completed + runtime.stats().duplicates,
+        0,
+        "acked while blocked"
+    );
+
+    // The other copy commits: the next redelivery is a duplicate.
+    other_copy.commit().await.unwrap();
+    wait_until("the message is skipped", || async {
+        runtime.stats().duplicates == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 8).await, 0, "the handlers never ran");
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
