@@ -56,7 +56,7 @@ async fn run() -> inbox::Result<()> {
     let queue = &settings.queues[0];
 
     let connection = amqp::connect(&settings, "inbox example publisher").await?;
-    amqp::declare_queue(&connection.create_channel().await?, queue).await?;
+    amqp::declare_topology(&connection.create_channel().await?, queue, &settings.failure).await?;
     let publisher = AmqpPublisher::new(&connection, "").await?;
 
     let mut random = XorShift(0x9e37_79b9_7f4a_7c15);

@@ -1,16 +1,47 @@
-//! RabbitMQ: connections, queue topology and confirmed publishing.
+//! RabbitMQ: connections, the queues kept for each consumed queue, confirmed
+//! publishing, and replay from the error queue.
+//!
+//! For a consumed queue `Q` the runtime keeps `Q` itself, one retry tier
+//! `Q.retry.<n>` per `failure.delays` entry (messages wait out the delay,
+//! then dead-letter back to `Q`), `Q.error` (messages that failed every
+//! attempt, or can never succeed) and `Q.skipped` (no handler for their type).
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use std::collections::{BTreeMap, HashSet};
+
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use uuid::Uuid;
 
 use crate::envelope::JSON;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
-use crate::settings::{QueueKind, QueueSettings, Settings};
+use crate::fault;
+use crate::settings::{FailureSettings, QueueKind, QueueSettings, Settings};
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
+
+/// The longest suffix a kept queue adds to `Q` (`.retry.` and up to nine
+/// digits, or `.skipped`), for the 255-byte limit on names.
+pub(crate) const LONGEST_SUFFIX: usize = 16;
+
+/// `Q.retry.<tier>`, tiers counted from 1.
+pub fn retry_queue(queue: &str, tier: usize) -> String {
+    format!("{queue}.retry.{tier}")
+}
+
+/// `Q.error`.
+pub fn error_queue(queue: &str) -> String {
+    format!("{queue}.error")
+}
+
+/// `Q.skipped`.
+pub fn skipped_queue(queue: &str) -> String {
+    format!("{queue}.skipped")
+}
 
 /// Connects to `message_bus.amqp_url` with lapin's automatic recovery on
 /// (connection, channels, topology, consumers and QoS are replayed after a
@@ -22,32 +53,67 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Connection> {
     Ok(Connection::connect(&settings.message_bus.amqp_url, properties).await?)
 }
 
-/// Declares a consumed queue: durable, of the configured kind. Idempotent.
-pub async fn declare_queue(channel: &Channel, queue: &QueueSettings) -> Result<()> {
-    let mut arguments = FieldTable::default();
+/// Declares `Q`, its retry tiers, `Q.error` and `Q.skipped`: durable, of the
+/// queue's kind. Idempotent; a queue that exists with other arguments is an
+/// [`Error::Topology`] naming it and the difference.
+pub async fn declare_topology(
+    channel: &Channel,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+) -> Result<()> {
     let kind = match queue.kind {
         QueueKind::Quorum => "quorum",
         QueueKind::Classic => "classic",
     };
-    arguments.insert("x-queue-type".into(), AMQPValue::LongString(kind.into()));
+    let base = || {
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-queue-type".into(), text(kind));
+        arguments
+    };
+    declare(channel, &queue.name, base()).await?;
+    for (i, delay) in failure.delays.iter().enumerate() {
+        let mut arguments = base();
+        // Settings validation keeps every delay within 32 bits of milliseconds.
+        arguments.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(delay.as_millis() as i64),
+        );
+        arguments.insert("x-dead-letter-exchange".into(), text(""));
+        arguments.insert("x-dead-letter-routing-key".into(), text(&queue.name));
+        if queue.kind == QueueKind::Quorum {
+            // Without these, a quorum queue dead-letters at most once: a
+            // broker fault at expiry could drop the message.
+            arguments.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+            arguments.insert("x-overflow".into(), text("reject-publish"));
+        }
+        declare(channel, &retry_queue(&queue.name, i + 1), arguments).await?;
+    }
+    declare(channel, &error_queue(&queue.name), base()).await?;
+    declare(channel, &skipped_queue(&queue.name), base()).await?;
+    Ok(())
+}
+
+async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Result<()> {
     let options = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     };
     channel
-        .queue_declare(queue.name.as_str().into(), options, arguments)
+        .queue_declare(queue.into(), options, arguments)
         .await
-        .map_err(|e| {
-            Error::Runtime(format!(
-                "cannot declare queue `{}` as a durable {kind} queue (does it exist with other arguments?): {e}",
-                queue.name
-            ))
+        .map_err(|e| Error::Topology {
+            queue: queue.to_owned(),
+            reason: format!("{e} (a queue that exists with other arguments must be deleted, or the settings changed to match it)"),
         })?;
     Ok(())
 }
 
-/// Publishes events with publisher confirms: [`publish`](Self::publish)
-/// returns once the broker has taken responsibility for the message.
+fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(value.into())
+}
+
+/// Publishes with publisher confirms: every `publish` returns once the broker
+/// has taken responsibility for the message, and fails otherwise.
 #[derive(Clone)]
 pub struct AmqpPublisher {
     channel: Channel,
@@ -67,19 +133,29 @@ impl AmqpPublisher {
     }
 
     /// Publishes `message` with its id as `message_id`, its type as `type`,
-    /// JSON content and persistent delivery. Fails unless the broker confirms
-    /// it and routed it to at least one queue.
+    /// JSON content and persistent delivery.
     pub async fn publish<E: IntegrationEvent>(&self, routing_key: &str, message: &Message<E>) -> Result<()> {
         let properties = BasicProperties::default()
             .with_message_id(message.id.to_string().into())
             .with_type(E::TYPE.into())
             .with_content_type(JSON.into())
             .with_delivery_mode(PERSISTENT);
-        let not_confirmed = |reason: String| Error::NotConfirmed {
-            message_id: message.id,
-            routing_key: routing_key.to_owned(),
-            reason,
-        };
+        self.publish_raw(routing_key, properties, &message.to_json()?)
+            .await
+    }
+
+    /// Publishes `body` with `properties` as they are. Fails unless the
+    /// broker confirms it and routed it to at least one queue.
+    pub async fn publish_raw(
+        &self,
+        routing_key: &str,
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        let message_id = properties
+            .message_id()
+            .as_ref()
+            .map_or_else(|| "none".to_owned(), |id| id.as_str().to_owned());
         let options = BasicPublishOptions {
             mandatory: true, // an unroutable message comes back instead of vanishing
             ..BasicPublishOptions::default()
@@ -90,11 +166,16 @@ impl AmqpPublisher {
                 self.exchange.as_str().into(),
                 routing_key.into(),
                 options,
-                &message.to_json()?,
+                body,
                 properties,
             )
             .await?
             .await?;
+        let not_confirmed = |reason: String| Error::NotConfirmed {
+            message_id: message_id.clone(),
+            routing_key: routing_key.to_owned(),
+            reason,
+        };
         if !confirmation.is_ack() {
             return Err(not_confirmed("the broker nacked it".into()));
         }
@@ -111,4 +192,85 @@ impl AmqpPublisher {
     pub fn channel(&self) -> &Channel {
         &self.channel
     }
+}
+
+/// What [`replay`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// Moved from `Q.error` back to `Q`.
+    pub replayed: usize,
+    /// Left in `Q.error` (not selected).
+    pub left: usize,
+}
+
+/// Moves messages from `Q.error` back to `Q`: all of them, or those whose
+/// `message_id` is in `only`. Each keeps its body, properties and
+/// `message_id`, so one that was processed after all is skipped by the inbox
+/// (if it comes back within `retention.days`); the fault headers are removed,
+/// so the failure policy starts afresh. Each copy is confirmed in `Q` before
+/// the original leaves `Q.error`.
+pub async fn replay(
+    connection: &Connection,
+    queue: &str,
+    only: Option<&HashSet<Uuid>>,
+) -> Result<ReplayReport> {
+    let from = error_queue(queue);
+    let channel = connection.create_channel().await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let waiting = channel
+        .queue_declare(from.as_str().into(), passive, FieldTable::default())
+        .await
+        .map_err(|e| Error::Topology {
+            queue: from.clone(),
+            reason: e.to_string(),
+        })?
+        .message_count();
+    let publisher = AmqpPublisher::new(connection, "").await?;
+    let mut report = ReplayReport::default();
+    // The ones not selected stay unacked until the channel closes, so that
+    // basic.get does not hand them out again; then they go back in order.
+    let mut held = Vec::new();
+    for _ in 0..waiting {
+        let Some(message) = channel
+            .basic_get(from.as_str().into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let delivery = message.delivery;
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|id| Uuid::try_parse(id.as_str()).ok());
+        let selected = only.is_none_or(|ids| id.is_some_and(|id| ids.contains(&id)));
+        if !selected {
+            report.left += 1;
+            held.push(delivery);
+            continue;
+        }
+        let properties = without_fault_headers(delivery.properties.clone());
+        publisher.publish_raw(queue, properties, &delivery.data).await?;
+        delivery.acker.ack(BasicAckOptions::default()).await?;
+        report.replayed += 1;
+    }
+    channel.close(200, "replay done".into()).await?;
+    publisher.channel().close(200, "replay done".into()).await?;
+    Ok(report)
+}
+
+fn without_fault_headers(properties: BasicProperties) -> BasicProperties {
+    let Some(headers) = properties.headers().clone() else {
+        return properties;
+    };
+    let kept: BTreeMap<ShortString, AMQPValue> = headers
+        .inner()
+        .iter()
+        .filter(|(key, _)| !fault::headers::ALL.contains(&key.as_str()))
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    properties.with_headers(kept.into())
 }

@@ -49,9 +49,11 @@ pub enum DecodeError {
 
 impl Envelope {
     /// Decodes a delivery's properties and body, as received by `consumer`.
+    /// On success the body moves into the envelope; on error it is left in
+    /// `body`, to be set aside as it came.
     pub fn decode(
         properties: &BasicProperties,
-        body: Vec<u8>,
+        body: &mut Vec<u8>,
         redelivered: bool,
         consumer: &str,
     ) -> Result<Self, DecodeError> {
@@ -76,7 +78,7 @@ impl Envelope {
             span: span(message_id, &event_type, consumer, redelivered),
             message_id,
             event_type,
-            body,
+            body: std::mem::take(body),
             headers: properties.headers().clone().unwrap_or_default(),
             redelivered,
         })
@@ -137,7 +139,7 @@ mod tests {
         let id = Uuid::now_v7();
         let env = Envelope::decode(
             &props(Some(&id.to_string()), Some("T")),
-            b"{}".to_vec(),
+            &mut b"{}".to_vec(),
             true,
             "c",
         )
@@ -151,7 +153,12 @@ mod tests {
     #[test]
     fn rejects_each_malformed_kind_with_its_reason() {
         let id = Uuid::now_v7().to_string();
-        let decode = |p: BasicProperties| Envelope::decode(&p, vec![], false, "c").unwrap_err();
+        let decode = |p: BasicProperties| {
+            let mut body = b"kept".to_vec();
+            let err = Envelope::decode(&p, &mut body, false, "c").unwrap_err();
+            assert_eq!(body, b"kept", "the body stays for the error queue");
+            err
+        };
         assert_eq!(decode(props(None, Some("T"))), DecodeError::MissingMessageId);
         assert_eq!(
             decode(props(Some("42"), Some("T"))),

@@ -39,10 +39,10 @@ pub enum Error {
     Broker(#[from] lapin::Error),
 
     /// The broker did not confirm a publish (nack, or the message was unroutable).
-    #[error("broker did not accept the message {message_id} for `{routing_key}`: {reason}")]
+    #[error("broker did not accept message {message_id} for `{routing_key}`: {reason}")]
     NotConfirmed {
-        /// The message's id.
-        message_id: uuid::Uuid,
+        /// The message's id, as it was on the message (or `none`).
+        message_id: String,
         /// Where it was sent.
         routing_key: String,
         /// What the broker said.
@@ -56,6 +56,16 @@ pub enum Error {
         event_type: &'static str,
         /// The serializer's error.
         source: serde_json::Error,
+    },
+
+    /// A queue could not be declared as the settings describe it, typically
+    /// because it exists with other arguments.
+    #[error("cannot declare queue `{queue}`: {reason}")]
+    Topology {
+        /// The queue.
+        queue: String,
+        /// What the broker said (for a mismatch, which argument differs).
+        reason: String,
     },
 
     /// The runtime was asked for something its state does not allow

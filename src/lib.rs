@@ -16,13 +16,16 @@
 //! - [`InboxStore`]: [`PgInboxStore`] claims inside the unit of work;
 //!   [`NoopInboxStore`] never deduplicates.
 //! - [`run_migrations`]: creates `inbox_messages`, inbox on or off.
-//! - [`amqp`]: connecting, declaring queues, [`AmqpPublisher`].
+//! - [`amqp`]: connecting, declaring a queue's topology, [`AmqpPublisher`],
+//!   replaying `Q.error`.
+//! - [`fault`]: the failure history and fault reasons in a message's headers.
 //! - [`Error`]: the one error type.
 
 mod db;
 mod envelope;
 mod error;
 mod event;
+pub mod fault;
 mod handler;
 mod migrations;
 mod settings;
@@ -39,7 +42,8 @@ pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
 pub use settings::{
-    DatabaseSettings, MessageBusSettings, Provider, QueueKind, QueueSettings, RuntimeSettings, Settings,
+    DatabaseSettings, Destination, FailureSettings, MessageBusSettings, Provider, QueueKind, QueueSettings,
+    RetentionSettings, RuntimeSettings, Settings,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 pub use unit_of_work::UnitOfWork;

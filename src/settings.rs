@@ -25,6 +25,10 @@ pub struct Settings {
     pub database: DatabaseSettings,
     /// `[[queues]]`: the queues this service consumes, one consumer actor each.
     pub queues: Vec<QueueSettings>,
+    /// `[failure]`: what happens to a message its handlers cannot process.
+    pub failure: FailureSettings,
+    /// `[retention]`: how long inbox rows are kept.
+    pub retention: RetentionSettings,
     /// `[runtime]`: lifecycle of the actors.
     pub runtime: RuntimeSettings,
 }
@@ -158,6 +162,104 @@ impl QueueSettings {
     }
 }
 
+/// `[failure]`: immediate retries, then delayed redelivery through the retry
+/// tiers `Q.retry.1`, `Q.retry.2`, …, then the error queue `Q.error`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FailureSettings {
+    /// `immediate_retries`: further attempts in process, each in a fresh
+    /// transaction, before the message is sent to a retry tier. Default 3.
+    pub immediate_retries: u32,
+    /// `immediate_backoff`: pause before the first immediate retry, doubled
+    /// for each one after. Default `100ms`.
+    #[serde(with = "humantime_serde")]
+    pub immediate_backoff: Duration,
+    /// `delays`: one retry tier per delay, in order; a message that failed
+    /// its immediate retries waits in the next tier, then comes back. After
+    /// the last tier it goes to `Q.error`. Default `["30s", "5m", "1h"]`.
+    #[serde(deserialize_with = "durations")]
+    pub delays: Vec<Duration>,
+    /// `max_body_size`: bytes; a larger body goes straight to `Q.error`.
+    /// Default 1048576 (1 MiB).
+    pub max_body_size: usize,
+}
+
+impl Default for FailureSettings {
+    fn default() -> Self {
+        Self {
+            immediate_retries: 3,
+            immediate_backoff: Duration::from_millis(100),
+            delays: [30, 300, 3600].map(Duration::from_secs).to_vec(),
+            max_body_size: 1 << 20,
+        }
+    }
+}
+
+/// Where a message goes once its immediate retries are spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destination {
+    /// The retry tier with this number (from 1): `Q.retry.<n>`.
+    RetryTier(usize),
+    /// `Q.error`: every tier has been tried.
+    Error,
+}
+
+impl FailureSettings {
+    /// The pause before immediate retry number `retry` (from 0).
+    pub fn backoff(&self, retry: u32) -> Duration {
+        self.immediate_backoff.saturating_mul(1 << retry.min(16))
+    }
+
+    /// Where a message goes after failing, given how many delayed
+    /// redeliveries it has had.
+    pub fn destination(&self, redeliveries: u32) -> Destination {
+        let next = redeliveries as usize + 1;
+        if next <= self.delays.len() {
+            Destination::RetryTier(next)
+        } else {
+            Destination::Error
+        }
+    }
+
+    /// The longest a message can take from its first failure to its last
+    /// attempt: every backoff and every tier's delay.
+    pub fn longest_redelivery_path(&self) -> Duration {
+        let backoffs: Duration = (0..self.immediate_retries).map(|r| self.backoff(r)).sum();
+        let per_delivery = backoffs.saturating_mul(self.delays.len() as u32 + 1);
+        self.delays.iter().sum::<Duration>() + per_delivery
+    }
+}
+
+fn durations<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<Duration>, D::Error> {
+    let wrapped: Vec<humantime_serde::Serde<Duration>> = Deserialize::deserialize(deserializer)?;
+    Ok(wrapped.into_iter().map(|d| d.into_inner()).collect())
+}
+
+/// `[retention]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionSettings {
+    /// `days`: how long an inbox row is kept. A redelivery (or a replay from
+    /// `Q.error`) later than this is processed again, so it must exceed the
+    /// longest redelivery path. Default 7.
+    pub days: u32,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self { days: 7 }
+    }
+}
+
+impl RetentionSettings {
+    /// `days` as a duration.
+    pub fn period(&self) -> Duration {
+        Duration::from_secs(u64::from(self.days) * 24 * 60 * 60)
+    }
+}
+
 /// `[runtime]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -217,6 +319,8 @@ impl Settings {
                     .prefix_separator("__")
                     .separator("__")
                     .try_parsing(true)
+                    .list_separator(",")
+                    .with_list_parse_key("failure.delays")
                     .source(vars),
             )
             .build()?
@@ -268,7 +372,12 @@ impl Settings {
                 .parse::<lapin::uri::AMQPUri>()
                 .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
         }
-        short_string("message_bus.exchange", &bus.exchange)?;
+        if bus.exchange.len() > 255 {
+            return Err(Error::setting(
+                "message_bus.exchange",
+                "is longer than the 255 bytes AMQP allows",
+            ));
+        }
 
         let db = &self.database;
         self.pg_config()?;
@@ -298,7 +407,16 @@ impl Settings {
             if queue.name.is_empty() {
                 return Err(Error::setting(&key("name"), "is empty"));
             }
-            short_string(&key("name"), &queue.name)?;
+            if queue.name.len() + crate::amqp::LONGEST_SUFFIX > 255 {
+                return Err(Error::setting(
+                    &key("name"),
+                    format!(
+                        "is {} bytes long; AMQP names hold 255 and the runtime adds up to {} for `.retry.<n>`, `.error` and `.skipped`",
+                        queue.name.len(),
+                        crate::amqp::LONGEST_SUFFIX
+                    ),
+                ));
+            }
             if !names.insert(queue.name.as_str()) {
                 return Err(Error::setting(
                     &key("name"),
@@ -316,23 +434,39 @@ impl Settings {
                 return Err(Error::setting(&key("prefetch"), "must be at least 1"));
             }
         }
+        let failure = &self.failure;
+        if failure.immediate_retries > 100 {
+            return Err(Error::setting("failure.immediate_retries", "must be at most 100"));
+        }
+        for (i, delay) in failure.delays.iter().enumerate() {
+            // x-message-ttl is a 32-bit count of milliseconds.
+            if delay.is_zero() || delay.as_millis() > u128::from(u32::MAX) {
+                return Err(Error::setting(
+                    &format!("failure.delays[{i}]"),
+                    "must be more than 0 and at most 49 days",
+                ));
+            }
+        }
+        if failure.max_body_size == 0 {
+            return Err(Error::setting("failure.max_body_size", "must be at least 1"));
+        }
+        let path = failure.longest_redelivery_path();
+        if self.retention.period() <= path {
+            return Err(Error::setting(
+                "retention.days",
+                format!(
+                    "{} days is not longer than the longest redelivery path ({}, from failure.delays and \
+                     failure.immediate_retries): a late redelivery would find its inbox row deleted and run again",
+                    self.retention.days,
+                    humantime::format_duration(path)
+                ),
+            ));
+        }
         if self.runtime.shutdown_timeout.is_zero() {
             return Err(Error::setting("runtime.shutdown_timeout", "must be more than 0"));
         }
         Ok(())
     }
-}
-
-/// AMQP short strings (queue and exchange names) hold at most 255 bytes;
-/// lapin panics past that, so refuse them here with the key's name.
-fn short_string(key: &str, value: &str) -> Result<()> {
-    if value.len() > 255 {
-        return Err(Error::setting(
-            key,
-            format!("is {} bytes long; AMQP allows 255", value.len()),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -501,6 +635,39 @@ mod tests {
                 "{text}: `{err}` does not name `{key}`"
             );
         }
+    }
+
+    #[test]
+    fn retention_shorter_than_the_redelivery_path_names_both() {
+        let dir = temp_dir(&[(
+            "default.toml",
+            "[retention]\ndays = 2\n[failure]\ndelays = [\"1h\", \"2days\"]\n",
+        )]);
+        let err = Settings::load_layered(&dir, None, vars(&[]))
+            .unwrap_err()
+            .to_string();
+        for words in ["retention.days", "2 days", "failure.delays", "2days 1h"] {
+            assert!(err.contains(words), "`{err}` does not say `{words}`");
+        }
+        let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")])).unwrap();
+        assert_eq!(ok.failure.delays, [3600, 2 * 86400].map(Duration::from_secs));
+    }
+
+    #[test]
+    fn the_failure_path_walks_the_tiers_then_the_error_queue() {
+        let failure = FailureSettings::default();
+        assert_eq!(failure.destination(0), Destination::RetryTier(1));
+        assert_eq!(failure.destination(2), Destination::RetryTier(3));
+        assert_eq!(failure.destination(3), Destination::Error);
+        assert_eq!(
+            (0..3).map(|r| failure.backoff(r)).collect::<Vec<_>>(),
+            [100, 200, 400].map(Duration::from_millis)
+        );
+        // 30s + 5m + 1h, plus 700 ms of backoff on each of four deliveries.
+        assert_eq!(
+            failure.longest_redelivery_path(),
+            Duration::from_millis(3_930_000 + 2_800)
+        );
     }
 
     #[test]

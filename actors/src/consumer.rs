@@ -1,26 +1,45 @@
-//! [`ConsumerActor`]: one RabbitMQ queue.
+//! [`ConsumerActor`]: one RabbitMQ queue, and the failure policy for its
+//! messages.
 //!
 //! Owns the queue's channel and its lapin consumer stream. Decodes each
 //! delivery into an envelope and sends [`Deliver`] to the
-//! [`DedupActor`](crate::DedupActor), up to the queue's prefetch at once;
-//! settles the delivery from the [`Outcome`]: ack for completed and
-//! duplicates, nack with requeue for abandoned messages, reject without
-//! requeue for messages that can never succeed. Receives [`Drain`] at
-//! shutdown: stops consuming and waits for the messages in flight.
+//! [`DedupActor`](crate::DedupActor), up to the queue's prefetch at once,
+//! then settles the delivery from the [`Outcome`]:
+//!
+//! - completed or duplicate: ack;
+//! - abandoned: retried in process (`failure.immediate_retries`), then
+//!   moved to the next retry tier `Q.retry.<n>`, or to `Q.error` after the
+//!   last one;
+//! - malformed (bad properties, a body too large or not the event): moved
+//!   to `Q.error` at once; no handler for the type: moved to `Q.skipped`.
+//!
+//! A move publishes the copy, with its [fault headers](inbox::fault), and
+//! waits for the broker's confirm before acking the original: a crash in
+//! between leaves a duplicate for the inbox to skip, never a loss.
+//! Receives [`Drain`] at shutdown: stops consuming and waits for the
+//! messages in flight.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
+use inbox::amqp::{error_queue, retry_queue, skipped_queue};
+use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicRejectOptions};
+use inbox::lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
 use inbox::lapin::types::ShortString;
 use inbox::lapin::{Channel, Consumer};
-use inbox::{DeliveryLabel, Envelope};
+use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings, QueueSettings};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use crate::dedup::{Deliver, Outcome};
+use crate::dedup::{Abandoned, Deliver, Outcome};
 use crate::stats::{Counter, Stats};
+
+/// How long to wait before handing a message back to the broker when it
+/// could not be moved to a retry tier or the error queue (the broker is
+/// struggling; an instant requeue would spin).
+const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
 
 /// Stop consuming and resolve once no message is in flight.
 #[derive(Message)]
@@ -29,13 +48,10 @@ pub struct Drain;
 
 /// Consumes one queue.
 pub struct ConsumerActor {
-    queue: String,
-    consumer: Arc<str>,
+    settler: Arc<Settler>,
     channel: Channel,
     tag: ShortString,
     stream: Option<Consumer>,
-    dedup: Recipient<Deliver>,
-    stats: Arc<Stats>,
     in_flight: usize,
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
@@ -43,24 +59,31 @@ pub struct ConsumerActor {
 }
 
 impl ConsumerActor {
-    /// An actor over a started lapin `stream` of `queue` on `channel`;
-    /// `consumer` is the consumer id of the dedup key.
+    /// An actor over a started lapin `stream` of `queue` on `channel`.
+    /// `forwarder` publishes (with confirms, to the default exchange) the
+    /// copies moved to the retry tiers, `Q.error` and `Q.skipped`.
     pub fn new(
-        queue: String,
-        consumer: Arc<str>,
+        queue: &QueueSettings,
+        failure: FailureSettings,
         channel: Channel,
         stream: Consumer,
+        forwarder: AmqpPublisher,
         dedup: Recipient<Deliver>,
         stats: Arc<Stats>,
     ) -> Self {
+        let settler = Settler {
+            queue: queue.name.clone(),
+            consumer: queue.consumer_id().into(),
+            dedup,
+            forwarder,
+            failure,
+            stats,
+        };
         Self {
-            queue,
-            consumer,
+            settler: Arc::new(settler),
             channel,
             tag: stream.tag(),
             stream: Some(stream),
-            dedup,
-            stats,
             in_flight: 0,
             draining: false,
             drained: Vec::new(),
@@ -88,7 +111,8 @@ impl Actor for ConsumerActor {
         if let Some(stream) = self.stream.take() {
             ctx.add_stream(stream);
         }
-        tracing::info!(queue = %self.queue, consumer = %self.consumer, "consuming");
+        let settler = &self.settler;
+        tracing::info!(queue = %settler.queue, consumer = %settler.consumer, "consuming");
     }
 }
 
@@ -97,7 +121,7 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
         let delivery = match item {
             Ok(delivery) => delivery,
             Err(e) => {
-                tracing::warn!(queue = %self.queue, error = %e, "consumer stream error");
+                tracing::warn!(queue = %self.settler.queue, error = %e, "consumer stream error");
                 return;
             }
         };
@@ -106,13 +130,7 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
             return;
         }
         self.in_flight += 1;
-        let work = settle(
-            delivery,
-            self.queue.clone(),
-            Arc::clone(&self.consumer),
-            self.dedup.clone(),
-            Arc::clone(&self.stats),
-        );
+        let work = Arc::clone(&self.settler).settle(delivery);
         ctx.spawn(
             work.into_actor(self)
                 .map(|(), actor, ctx| actor.message_done(ctx)),
@@ -121,7 +139,7 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
 
     fn finished(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
-            tracing::error!(queue = %self.queue, "the broker ended the consumer; this queue is no longer consumed");
+            tracing::error!(queue = %self.settler.queue, "the broker ended the consumer; this queue is no longer consumed");
         }
         // Stopping now would cancel the messages in flight before their
         // acks: stop once the last one is settled.
@@ -145,7 +163,7 @@ impl actix::Handler<Drain> for ConsumerActor {
         }
         let channel = self.channel.clone();
         let tag = self.tag.clone();
-        let queue = self.queue.clone();
+        let queue = self.settler.queue.clone();
         let in_flight = self.in_flight;
         Box::pin(
             async move {
@@ -160,66 +178,187 @@ impl actix::Handler<Drain> for ConsumerActor {
     }
 }
 
-/// Runs one delivery through the inbox and settles it with the broker.
-async fn settle(
-    mut delivery: Delivery,
+/// What settling a delivery needs; shared by the queue's messages in flight.
+struct Settler {
     queue: String,
     consumer: Arc<str>,
     dedup: Recipient<Deliver>,
+    forwarder: AmqpPublisher,
+    failure: FailureSettings,
     stats: Arc<Stats>,
-) {
-    let body = std::mem::take(&mut delivery.data);
-    let envelope = match Envelope::decode(&delivery.properties, body, delivery.redelivered, &consumer) {
-        Ok(envelope) => envelope,
-        Err(e) => {
-            tracing::warn!(
-                %queue,
-                delivery_tag = delivery.delivery_tag,
-                delivery = %DeliveryLabel(&delivery.properties),
-                reason = %e,
-                "malformed delivery set aside (rejected without requeue)"
+}
+
+impl Settler {
+    /// Runs one delivery through the inbox and the failure policy, and
+    /// settles it with the broker.
+    async fn settle(self: Arc<Self>, mut delivery: Delivery) {
+        let history = FailureHistory::read(
+            delivery
+                .properties
+                .headers()
+                .as_ref()
+                .unwrap_or(&Default::default()),
+        );
+        let size = delivery.data.len();
+        if size > self.failure.max_body_size {
+            let reason = format!(
+                "body is {size} bytes; failure.max_body_size is {}",
+                self.failure.max_body_size
             );
-            stats.add(Counter::Rejected);
-            let result = delivery.acker.reject(BasicRejectOptions { requeue: false }).await;
-            check_settled(result, "reject", &stats);
-            return;
+            return self
+                .set_aside(&delivery, &delivery.data, &reason, "consumer", history)
+                .await;
         }
-    };
-    let span = envelope.span.clone();
-    async move {
-        let outcome = dedup
-            .send(Deliver { consumer, envelope })
-            .await
-            .unwrap_or_else(|e| Outcome::Abandoned(crate::dedup::Abandoned {
-                stage: "dedup actor".into(),
-                reason: e.to_string(),
-            }));
-        let acker = &delivery.acker;
-        match outcome {
-            Outcome::Completed | Outcome::Duplicate => {
-                tracing::debug!(?outcome, "acking");
-                check_settled(acker.ack(BasicAckOptions::default()).await, "ack", &stats);
+        let envelope = match Envelope::decode(
+            &delivery.properties,
+            &mut delivery.data,
+            delivery.redelivered,
+            &self.consumer,
+        ) {
+            Ok(envelope) => Arc::new(envelope),
+            Err(e) => {
+                let reason = e.to_string();
+                return self
+                    .set_aside(&delivery, &delivery.data, &reason, "decode", history)
+                    .await;
             }
-            Outcome::Abandoned(abandoned) => {
-                tracing::warn!(stage = %abandoned.stage, reason = %abandoned.reason, "message abandoned; requeued for redelivery");
+        };
+        let span = envelope.span.clone();
+        self.process(delivery, envelope, history).instrument(span).await
+    }
+
+    /// A malformed delivery: straight to `Q.error`, no handler ran.
+    async fn set_aside(
+        &self,
+        delivery: &Delivery,
+        body: &[u8],
+        reason: &str,
+        stage: &str,
+        history: FailureHistory,
+    ) {
+        tracing::warn!(
+            queue = %self.queue,
+            delivery_tag = delivery.delivery_tag,
+            delivery = %DeliveryLabel(&delivery.properties),
+            %reason,
+            "malformed delivery; moving it to the error queue"
+        );
+        self.stats.add(Counter::Rejected);
+        let fault = self.fault(reason, stage, history);
+        self.move_to(&error_queue(&self.queue), delivery, body, &fault)
+            .await;
+    }
+
+    async fn process(&self, delivery: Delivery, envelope: Arc<Envelope>, mut history: FailureHistory) {
+        let mut retry = 0;
+        let abandoned: Abandoned = loop {
+            let deliver = Deliver {
+                consumer: Arc::clone(&self.consumer),
+                envelope: Arc::clone(&envelope),
+            };
+            let outcome = self.dedup.send(deliver).await.unwrap_or_else(|e| {
+                Outcome::Abandoned(Abandoned {
+                    stage: "dedup actor".into(),
+                    reason: e.to_string(),
+                })
+            });
+            match outcome {
+                Outcome::Completed | Outcome::Duplicate => {
+                    tracing::debug!(?outcome, "acking");
+                    return ack(&delivery, &self.stats).await;
+                }
+                Outcome::Rejected(reason) => {
+                    tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
+                    // Counted as rejected by the dedup actor.
+                    let fault = self.fault(&reason, "deserialize", history);
+                    self.move_to(&error_queue(&self.queue), &delivery, &envelope.body, &fault)
+                        .await;
+                    return;
+                }
+                Outcome::NoHandler => {
+                    let reason = format!("no handler registered for type `{}`", envelope.event_type);
+                    tracing::warn!("{reason}; moving it to the skipped queue");
+                    let fault = self.fault(&reason, "dispatch", history);
+                    self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
+                        .await;
+                    return;
+                }
+                Outcome::Abandoned(abandoned) => {
+                    history.attempts += 1;
+                    history.first_failure.get_or_insert_with(inbox::fault::now);
+                    if retry < self.failure.immediate_retries {
+                        let pause = self.failure.backoff(retry);
+                        tracing::warn!(
+                            stage = %abandoned.stage,
+                            reason = %abandoned.reason,
+                            attempts = history.attempts,
+                            "attempt failed; retrying in {pause:?}"
+                        );
+                        tokio::time::sleep(pause).await;
+                        retry += 1;
+                        continue;
+                    }
+                    break abandoned;
+                }
+            }
+        };
+        let (to, counter) = match self.failure.destination(history.redeliveries) {
+            Destination::RetryTier(tier) => {
+                history.redeliveries += 1;
+                (retry_queue(&self.queue, tier), Counter::Delayed)
+            }
+            Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),
+        };
+        tracing::warn!(
+            stage = %abandoned.stage,
+            reason = %abandoned.reason,
+            attempts = history.attempts,
+            "attempts failed; moving it to {to}"
+        );
+        let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
+        if self.move_to(&to, &delivery, &envelope.body, &fault).await {
+            self.stats.add(counter);
+        }
+    }
+
+    fn fault<'a>(&'a self, reason: &'a str, handler: &'a str, history: FailureHistory) -> Fault<'a> {
+        Fault {
+            reason,
+            handler,
+            history,
+            source_queue: &self.queue,
+        }
+    }
+
+    /// Publishes a copy of the delivery with the fault in its headers to
+    /// `to`, then acks the original, in that order. If the copy is not
+    /// confirmed, the original goes back to the broker instead. Returns
+    /// whether the message moved.
+    async fn move_to(&self, to: &str, delivery: &Delivery, body: &[u8], fault: &Fault<'_>) -> bool {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        fault.stamp(&mut headers);
+        let properties = delivery.properties.clone().with_headers(headers);
+        match self.forwarder.publish_raw(to, properties, body).await {
+            Ok(()) => {
+                ack(delivery, &self.stats).await;
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "could not move the message to {to}; handing it back to the broker");
+                tokio::time::sleep(MOVE_FAILED_PAUSE).await;
                 let options = BasicNackOptions {
                     requeue: true,
                     ..BasicNackOptions::default()
                 };
-                check_settled(acker.nack(options).await, "nack", &stats);
-            }
-            Outcome::Rejected(reason) => {
-                tracing::warn!(%reason, "message set aside (rejected without requeue)");
-                check_settled(acker.reject(BasicRejectOptions { requeue: false }).await, "reject", &stats);
-            }
-            Outcome::NoHandler => {
-                tracing::warn!("no handler registered for this type; message set aside (rejected without requeue)");
-                check_settled(acker.reject(BasicRejectOptions { requeue: false }).await, "reject", &stats);
+                check_settled(delivery.acker.nack(options).await, "nack", &self.stats);
+                false
             }
         }
     }
-    .instrument(span)
-    .await
+}
+
+async fn ack(delivery: &Delivery, stats: &Stats) {
+    check_settled(delivery.acker.ack(BasicAckOptions::default()).await, "ack", stats);
 }
 
 /// lapin answers `Ok(false)` for an ack on a channel that has been recovered

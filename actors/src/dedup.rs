@@ -27,8 +27,8 @@ use crate::stats::{Counter, Stats};
 pub struct Deliver {
     /// The consumer id: the first half of the dedup key.
     pub consumer: Arc<str>,
-    /// The message.
-    pub envelope: Envelope,
+    /// The message; shared, since a failed attempt is retried with it.
+    pub envelope: Arc<Envelope>,
 }
 
 /// What became of a [`Deliver`]ed message; the consumer settles the delivery
@@ -40,12 +40,12 @@ pub enum Outcome {
     /// Processed before: the handlers were skipped. Ack.
     Duplicate,
     /// Not processed, nothing committed; it can succeed later (a handler
-    /// failed or panicked, the database was unavailable): redeliver.
+    /// failed or panicked, the database was unavailable): retry it.
     Abandoned(Abandoned),
-    /// Can never be processed as it is (its body is not the event): set it
-    /// aside, do not redeliver.
+    /// Can never be processed as it is (its body is not the event): to the
+    /// error queue, without retries.
     Rejected(String),
-    /// No handler is registered for its type: set it aside.
+    /// No handler is registered for its type: to the skipped queue.
     NoHandler,
 }
 

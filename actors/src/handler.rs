@@ -20,7 +20,7 @@ use tracing::Instrument;
 #[rtype(result = "Handled")]
 pub struct Handle {
     /// The message.
-    pub envelope: Envelope,
+    pub envelope: Arc<Envelope>,
     /// Its open transaction, with the inbox row claimed.
     pub uow: UnitOfWork,
 }

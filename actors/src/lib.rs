@@ -1,16 +1,17 @@
 //! `inbox-actors`: the actix actors that run [`inbox`].
 //!
 //! ```text
-//! RabbitMQ ─Delivery─▶ ConsumerActor ─Deliver─▶ DedupActor ─Handle─▶ HandlerActor<E>
-//!   (one per queue)         ▲                    (pool, store)        (one per event type)
-//!                           └──── Outcome ◀──────────┘ ◀──── Handled ─────┘
+//! RabbitMQ ─Delivery─▶ ConsumerActor ─Deliver─▶ DedupActor ──Handle──▶ HandlerActor<E>
+//!    ▲                 one per queue ◀─Outcome─ owns the pool ◀─Handled─ one per event type
+//!    └── ack · Q.retry.<n> · Q.error · Q.skipped
 //! ```
 //!
 //! - [`Runtime`]: built from [`inbox::Settings`] with
 //!   [`Runtime::builder`], registers handlers per event type, starts the
 //!   actors, drains them at shutdown.
-//! - [`ConsumerActor`]: one RabbitMQ queue; acks, nacks or rejects each
-//!   delivery from its [`Outcome`].
+//! - [`ConsumerActor`]: one RabbitMQ queue; settles each delivery from its
+//!   [`Outcome`]: ack, immediate retries, a retry tier, `Q.error` or
+//!   `Q.skipped`.
 //! - [`DedupActor`]: owns the pool; claims the message in the inbox, runs
 //!   the handlers in one unit of work, commits or rolls back.
 //! - [`HandlerActor`]: the handlers of one event type; a panic fails the

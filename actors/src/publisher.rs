@@ -34,7 +34,7 @@ impl Publisher {
                 let envelope = Envelope::from_message(message, consumer)?;
                 let deliver = Deliver {
                     consumer: Arc::clone(consumer),
-                    envelope,
+                    envelope: Arc::new(envelope),
                 };
                 let outcome = dedup
                     .send(deliver)

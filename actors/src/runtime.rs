@@ -172,7 +172,7 @@ impl Runtime {
         for queue in &self.settings.queues {
             // A channel per queue, so each has its own prefetch.
             let channel = connection.create_channel().await?;
-            amqp::declare_queue(&channel, queue).await?;
+            amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
             channel
                 .basic_qos(queue.prefetch, BasicQosOptions { global: false })
                 .await?;
@@ -185,10 +185,11 @@ impl Runtime {
                 )
                 .await?;
             let actor = ConsumerActor::new(
-                queue.name.clone(),
-                queue.consumer_id().into(),
+                queue,
+                self.settings.failure.clone(),
                 channel,
                 stream,
+                inbox::AmqpPublisher::new(&connection, "").await?,
                 self.dedup.clone().recipient(),
                 Arc::clone(&self.stats),
             );

@@ -11,6 +11,8 @@ pub struct Stats {
     abandoned: AtomicU64,
     rejected: AtomicU64,
     skipped: AtomicU64,
+    delayed: AtomicU64,
+    dead_lettered: AtomicU64,
     unconfirmed_acks: AtomicU64,
 }
 
@@ -22,13 +24,18 @@ pub struct StatsSnapshot {
     pub completed: u64,
     /// Already processed: skipped without running handlers.
     pub duplicates: u64,
-    /// Handlers failed or panicked, or the database did: rolled back and
-    /// handed back for redelivery.
+    /// Attempts that failed (a handler failed or panicked, or the database
+    /// did) and were rolled back; each is retried, delayed or dead-lettered.
     pub abandoned: u64,
-    /// Malformed (bad properties or a body that is not the event): set aside.
+    /// Malformed (bad properties, a body too large or not the event): sent
+    /// to the error queue without retries.
     pub rejected: u64,
-    /// No handler registered for the type: set aside.
+    /// No handler registered for the type: sent to the skipped queue.
     pub skipped: u64,
+    /// Sent to a retry tier after failing their immediate retries.
+    pub delayed: u64,
+    /// Sent to the error queue after failing every attempt.
+    pub dead_lettered: u64,
     /// Acks or nacks the broker could not take because the channel had been
     /// recovered; those messages come back and the inbox skips them.
     pub unconfirmed_acks: u64,
@@ -42,6 +49,8 @@ pub(crate) enum Counter {
     Abandoned,
     Rejected,
     Skipped,
+    Delayed,
+    DeadLettered,
     UnconfirmedAcks,
 }
 
@@ -53,6 +62,8 @@ impl Stats {
             Counter::Abandoned => &self.abandoned,
             Counter::Rejected => &self.rejected,
             Counter::Skipped => &self.skipped,
+            Counter::Delayed => &self.delayed,
+            Counter::DeadLettered => &self.dead_lettered,
             Counter::UnconfirmedAcks => &self.unconfirmed_acks,
         };
         cell.fetch_add(1, Ordering::Relaxed);
@@ -67,6 +78,8 @@ impl Stats {
             abandoned: read(&self.abandoned),
             rejected: read(&self.rejected),
             skipped: read(&self.skipped),
+            delayed: read(&self.delayed),
+            dead_lettered: read(&self.dead_lettered),
             unconfirmed_acks: read(&self.unconfirmed_acks),
         }
     }

@@ -1,8 +1,12 @@
+use std::time::Duration;
+
 use inbox::Message;
+use inbox::fault::headers;
 use inbox::lapin::BasicProperties;
+use inbox::lapin::options::QueueDeleteOptions;
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, wait_until};
+use crate::support::{Count, Counted, TestEnv, amqp, header, wait_until};
 
 fn properties(message_id: Option<&str>, kind: Option<&str>) -> BasicProperties {
     let mut p = BasicProperties::default().with_content_type("application/json".into());
@@ -16,23 +20,41 @@ fn properties(message_id: Option<&str>, kind: Option<&str>) -> BasicProperties {
 }
 
 #[actix_rt::test]
-async fn malformed_deliveries_and_unknown_types_are_set_aside_without_a_loop() {
+async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknown_types_are_skipped() {
     let env = TestEnv::new("bad_input").await;
-    let runtime = Runtime::builder(env.settings())
-        .handler(Count)
-        .start()
-        .await
-        .unwrap();
+    let mut settings = env.settings();
+    settings.failure.max_body_size = 64;
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
     let id = || uuid::Uuid::now_v7().to_string();
     let good = br#"{"key": 1}"#;
-    env.publish_raw(properties(None, Some("Counted")), good).await;
-    env.publish_raw(properties(Some("not-a-uuid"), Some("Counted")), good)
-        .await;
-    env.publish_raw(properties(Some(&id()), None), good).await;
-    env.publish_raw(properties(Some(&id()), Some("Counted")), br#"{"key": "one"}"#)
-        .await;
-    env.publish_raw(properties(Some(&id()), Some("Counted")), b"not json")
-        .await;
+    let oversized = format!(r#"{{"key": 1, "padding": "{}"}}"#, "x".repeat(64));
+    let cases: [(BasicProperties, &[u8], &str); 6] = [
+        (properties(None, Some("Counted")), good, "no message_id"),
+        (
+            properties(Some("not-a-uuid"), Some("Counted")),
+            good,
+            "`not-a-uuid` is not a UUID",
+        ),
+        (properties(Some(&id()), None), good, "no type"),
+        (
+            properties(Some(&id()), Some("Counted")),
+            br#"{"key": "one"}"#,
+            "not a valid `Counted`",
+        ),
+        (
+            properties(Some(&id()), Some("Counted")),
+            b"not json",
+            "not a valid `Counted`",
+        ),
+        (
+            properties(Some(&id()), Some("Counted")),
+            oversized.as_bytes(),
+            "failure.max_body_size is 64",
+        ),
+    ];
+    for (properties, body, _) in &cases {
+        env.publish_raw(properties.clone(), body).await;
+    }
     env.publish_raw(properties(Some(&id()), Some("NobodyHandlesThis")), good)
         .await;
     // A good message after them all: the consumer is alive and well.
@@ -44,7 +66,7 @@ async fn malformed_deliveries_and_unknown_types_are_set_aside_without_a_loop() {
 
     wait_until("every delivery is settled", || async {
         let s = runtime.stats();
-        s.rejected == 5 && s.skipped == 1 && s.completed == 1
+        s.rejected == 6 && s.skipped == 1 && s.completed == 1
     })
     .await;
     runtime.shutdown().await;
@@ -60,6 +82,86 @@ async fn malformed_deliveries_and_unknown_types_are_set_aside_without_a_loop() {
         1,
         "set-aside messages are not recorded"
     );
-    // Nothing was requeued: a redelivery loop would leave them in the queue.
+    // Never requeued, so never looped: the main queue is empty.
+    assert_eq!(env.ready(&env.queue).await, 0);
+
+    for (properties, body, reason) in &cases {
+        let copy = env
+            .take(&inbox::amqp::error_queue(&env.queue))
+            .await
+            .expect("an error copy per malformed kind");
+        assert_eq!(&copy.data, body, "the body is kept as it came");
+        assert_eq!(
+            copy.properties.message_id(),
+            properties.message_id(),
+            "the properties are kept"
+        );
+        let said = header(&copy, headers::REASON).unwrap();
+        assert!(said.contains(reason), "reason `{said}` does not say `{reason}`");
+        assert_eq!(
+            header(&copy, headers::SOURCE_QUEUE).as_deref(),
+            Some(env.queue.as_str())
+        );
+        assert_eq!(
+            header(&copy, headers::ATTEMPTS).as_deref(),
+            Some("0"),
+            "no retries for malformed input"
+        );
+    }
+    let skipped = env
+        .take(&inbox::amqp::skipped_queue(&env.queue))
+        .await
+        .expect("the unknown type is skipped");
+    let said = header(&skipped, headers::REASON).unwrap();
+    assert!(
+        said.contains("no handler registered for type `NobodyHandlesThis`"),
+        "{said}"
+    );
+    assert_eq!(
+        env.ready(&inbox::amqp::error_queue(&env.queue)).await,
+        0,
+        "nothing else was set aside"
+    );
+}
+
+#[actix_rt::test]
+async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
+    let env = TestEnv::new("error_copy_unconfirmed").await;
+    let settings = env.settings();
+    let runtime = Runtime::builder(settings.clone())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    // The error queue disappears: no copy can be routed there.
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let error_queue = inbox::amqp::error_queue(&env.queue);
+    channel
+        .queue_delete(error_queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    env.publish_raw(properties(None, Some("Counted")), b"{}").await;
+
+    wait_until("the move has been tried", || async {
+        runtime.stats().rejected >= 1
+    })
+    .await;
+    // One more second: a move that failed hands the message back after a pause.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    runtime.shutdown().await;
+    assert_eq!(
+        env.ready(&env.queue).await,
+        1,
+        "the original was acked without its error copy"
+    );
+
+    // With the topology back (a new runtime declares it), the move succeeds.
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    wait_until("the copy reaches the error queue", || async {
+        env.ready(&error_queue).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
     assert_eq!(env.ready(&env.queue).await, 0);
 }

@@ -121,7 +121,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     // Another consumer takes the message before the runtime starts...
     let crashing = amqp().await;
     let channel = crashing.create_channel().await.unwrap();
-    inbox::amqp::declare_queue(&channel, &settings.queues[0])
+    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     let message = Message::new(Counted { key: 3 });
@@ -139,7 +139,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
     let envelope = Envelope::decode(
         &taken.properties,
-        taken.data.clone(),
+        &mut taken.data.clone(),
         taken.redelivered,
         &env.queue,
     )
@@ -148,7 +148,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
         .dedup()
         .send(Deliver {
             consumer: env.queue.as_str().into(),
-            envelope,
+            envelope: envelope.into(),
         })
         .await
         .unwrap();
@@ -172,6 +172,9 @@ async fn a_copy_blocked_past_the_lock_timeout_is_redelivered_never_acked() {
     let env = TestEnv::new("lock_timeout").await;
     let mut settings = env.settings();
     settings.database.lock_timeout = std::time::Duration::from_millis(100);
+    // A long way to the error queue: the message keeps coming back until
+    // the other copy commits, however slow this machine is.
+    settings.failure.delays = vec![std::time::Duration::from_millis(300); 20];
     let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
     let message = Message::new(Counted { key: 8 });
 

@@ -7,8 +7,10 @@ mod support;
 mod dedup;
 // Failing and panicking handlers roll everything back and run again on redelivery.
 mod failures;
-// Malformed deliveries and types without handlers are set aside, never looped.
+// Malformed deliveries go to the error queue, unknown types to the skipped queue, never looped.
 mod bad_input;
+// Immediate retries, retry tiers, the error queue and its headers, replay.
+mod failure_policy;
 // The unit of work never returns an open transaction to the pool.
 mod unit_of_work;
 // Graceful shutdown: drain what is in flight, within the timeout.

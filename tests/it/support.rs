@@ -5,7 +5,8 @@ use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use inbox::lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+use inbox::lapin::message::Delivery;
+use inbox::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
 use inbox::lapin::types::FieldTable;
 use inbox::lapin::{BasicProperties, Connection, ConnectionProperties};
 use inbox::tokio_postgres::{Client, NoTls};
@@ -151,6 +152,19 @@ impl TestEnv {
         connection.close(200, "done".into()).await.unwrap();
     }
 
+    /// Takes one message from `queue` (acked), if there is one.
+    pub async fn take(&self, queue: &str) -> Option<Delivery> {
+        let connection = amqp().await;
+        let channel = connection.create_channel().await.unwrap();
+        let got = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .map(|m| m.delivery);
+        connection.close(200, "done".into()).await.unwrap();
+        got
+    }
+
     /// Messages ready in `queue` (not counting unacked ones).
     pub async fn ready(&self, queue: &str) -> u32 {
         let connection = amqp().await;
@@ -172,6 +186,13 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         let database = self.database.clone();
         let queue = self.queue.clone();
+        let queues = [
+            inbox::amqp::retry_queue(&queue, 1),
+            inbox::amqp::retry_queue(&queue, 2),
+            inbox::amqp::error_queue(&queue),
+            inbox::amqp::skipped_queue(&queue),
+            queue,
+        ];
         // Drop cannot await, and may run while a test panics: clean up on a
         // thread of its own with a runtime of its own.
         let cleanup = std::thread::spawn(move || {
@@ -184,9 +205,11 @@ impl Drop for TestEnv {
                     Connection::connect(&amqp_url(), ConnectionProperties::default()).await
                 {
                     if let Ok(channel) = connection.create_channel().await {
-                        let _ = channel
-                            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                            .await;
+                        for queue in queues {
+                            let _ = channel
+                                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                                .await;
+                        }
                     }
                     let _ = connection.close(200, "cleanup".into()).await;
                 }
@@ -204,6 +227,17 @@ pub async fn amqp() -> Connection {
     Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .expect("connect to RabbitMQ")
+}
+
+/// A header of `delivery` as text (strings) or its debug form (others).
+pub fn header(delivery: &Delivery, key: &str) -> Option<String> {
+    use inbox::lapin::types::AMQPValue;
+    let value = delivery.properties.headers().as_ref()?.inner().get(key)?.clone();
+    Some(match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        other => format!("{other:?}"),
+    })
 }
 
 /// Polls `condition` until it holds, failing the test after 30 s with `what`.

@@ -1,0 +1,54 @@
+//! Moves messages from a queue's error queue back to the queue, once the
+//! fault that sent them there is fixed.
+//!
+//! ```text
+//! cargo run --example replay -- [--queue NAME] [--message-id UUID]...
+//! ```
+//!
+//! Without `--message-id`, every message in `NAME.error` goes back; with it,
+//! only those. Each keeps its `message_id`, so one that was processed after
+//! all is skipped by the inbox, as long as it comes back within
+//! `retention.days`. Honours `AMQP_URL` and the settings in `config/`.
+
+mod common;
+
+use std::collections::HashSet;
+
+use inbox::amqp;
+use inbox::uuid::Uuid;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("replay: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> inbox::Result<()> {
+    let mut only = HashSet::new();
+    let mut args = std::env::args();
+    while let Some(arg) = args.next() {
+        if arg == "--message-id" {
+            let text = args.next().unwrap_or_default();
+            let id = Uuid::try_parse(&text)
+                .map_err(|_| inbox::Error::Runtime(format!("--message-id `{text}` is not a UUID")))?;
+            only.insert(id);
+        }
+    }
+    let settings = common::settings()?;
+    let queue = &settings.queues[0].name;
+    let connection = amqp::connect(&settings, "inbox replay").await?;
+    let report = amqp::replay(&connection, queue, (!only.is_empty()).then_some(&only)).await?;
+    connection.close(200, "done".into()).await?;
+    println!(
+        "from={} to={queue} replayed={} left={}",
+        amqp::error_queue(queue),
+        report.replayed,
+        report.left
+    );
+    Ok(())
+}
