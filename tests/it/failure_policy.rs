@@ -268,3 +268,27 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
     );
     assert_eq!(env.ready(&error_queue(&env.queue)).await, 0);
 }
+
+#[actix_rt::test]
+async fn a_queue_declared_with_other_arguments_is_one_startup_error_naming_it() {
+    let env = TestEnv::new("topology_mismatch").await;
+    let mut settings = env.settings();
+    // The queue exists as a classic queue; the settings say quorum.
+    settings.queues[0].kind = inbox::QueueKind::Classic;
+    let connection = amqp().await;
+    inbox::amqp::declare_topology(
+        &connection.create_channel().await.unwrap(),
+        &settings.queues[0],
+        &settings.failure,
+    )
+    .await
+    .unwrap();
+    settings.queues[0].kind = inbox::QueueKind::Quorum;
+
+    let error = match Runtime::builder(settings).start().await {
+        Ok(_) => panic!("the runtime started over a mismatched queue"),
+        Err(error) => error.to_string(),
+    };
+    assert!(error.contains(&format!("`{}`", env.queue)), "{error}");
+    assert!(error.contains("x-queue-type"), "{error}");
+}
