@@ -37,6 +37,18 @@ async fn next_connection_state(pool: &Pool) -> (bool, i32) {
     (row.get(0) == Some("t"), row.get(1).unwrap().parse().unwrap())
 }
 
+/// A unit of work from `pool` that has written a row at `key` of `counts`.
+async fn begin_with_a_write(pool: &Pool, key: i64) -> UnitOfWork {
+    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
+        .await
+        .unwrap();
+    uow.client()
+        .execute("INSERT INTO counts VALUES ($1, 1)", &[&key])
+        .await
+        .unwrap();
+    uow
+}
+
 async fn backend_pid(uow: &UnitOfWork) -> i32 {
     uow.client()
         .query_one("SELECT pg_backend_pid()", &[])
@@ -49,13 +61,7 @@ async fn backend_pid(uow: &UnitOfWork) -> i32 {
 async fn a_guard_dropped_unfinished_discards_its_connection() {
     let env = TestEnv::new("guard_dropped").await;
     let pool = pool_of_one(&env.settings());
-    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
-        .await
-        .unwrap();
-    uow.client()
-        .execute("INSERT INTO counts VALUES (1, 1)", &[])
-        .await
-        .unwrap();
+    let uow = begin_with_a_write(&pool, 1).await;
     let pid = backend_pid(&uow).await;
     drop(uow);
 
@@ -92,13 +98,7 @@ async fn a_begin_cancelled_in_flight_never_pools_a_transaction() {
 async fn commit_refuses_a_transaction_with_a_failed_statement() {
     let env = TestEnv::new("guard_aborted").await;
     let pool = pool_of_one(&env.settings());
-    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
-        .await
-        .unwrap();
-    uow.client()
-        .execute("INSERT INTO counts VALUES (1, 1)", &[])
-        .await
-        .unwrap();
+    let uow = begin_with_a_write(&pool, 1).await;
     // A handler that catches a failed statement and carries on.
     assert!(uow.client().execute("SELECT 1 / 0", &[]).await.is_err());
 
@@ -117,25 +117,13 @@ async fn commit_and_rollback_keep_the_connection_for_reuse() {
     let env = TestEnv::new("guard_finished").await;
     let pool = pool_of_one(&env.settings());
 
-    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
-        .await
-        .unwrap();
-    uow.client()
-        .execute("INSERT INTO counts VALUES (1, 1)", &[])
-        .await
-        .unwrap();
+    let uow = begin_with_a_write(&pool, 1).await;
     let pid = backend_pid(&uow).await;
     uow.rollback().await.unwrap();
     assert_eq!(next_connection_state(&pool).await, (false, pid));
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
 
-    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
-        .await
-        .unwrap();
-    uow.client()
-        .execute("INSERT INTO counts VALUES (2, 1)", &[])
-        .await
-        .unwrap();
+    let uow = begin_with_a_write(&pool, 2).await;
     uow.commit().await.unwrap();
     assert_eq!(next_connection_state(&pool).await, (false, pid));
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 1);
