@@ -16,6 +16,8 @@
 //! - [`InboxStore`]: [`PgInboxStore`] claims inside the unit of work;
 //!   [`NoopInboxStore`] never deduplicates.
 //! - [`run_migrations`]: creates `inbox_messages`, inbox on or off.
+//! - [`sweep`]: deletes inbox rows past `retention.days`, in batches, one
+//!   instance per database at a time.
 //! - [`amqp`]: connecting, declaring a queue's topology, [`AmqpPublisher`],
 //!   replaying `Q.error`.
 //! - [`fault`]: the failure history and fault reasons in a message's headers.
@@ -28,6 +30,7 @@ mod event;
 pub mod fault;
 mod handler;
 mod migrations;
+mod retention;
 mod settings;
 mod store;
 mod unit_of_work;
@@ -41,6 +44,7 @@ pub use error::{Error, HandlerError, Result};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
+pub use retention::{SweepReport, sweep};
 pub use settings::{
     DatabaseSettings, Destination, FailureSettings, MessageBusSettings, Provider, QueueKind, QueueSettings,
     RetentionSettings, RuntimeSettings, Settings,

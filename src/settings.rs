@@ -237,7 +237,8 @@ fn durations<'de, D: serde::Deserializer<'de>>(
     Ok(wrapped.into_iter().map(|d| d.into_inner()).collect())
 }
 
-/// `[retention]`.
+/// `[retention]`: the cleanup that keeps `inbox_messages` from growing
+/// forever. It runs only while the inbox is on.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetentionSettings {
@@ -245,11 +246,22 @@ pub struct RetentionSettings {
     /// `Q.error`) later than this is processed again, so it must exceed the
     /// longest redelivery path. Default 7.
     pub days: u32,
+    /// `interval`: time between sweeps. Default `10m`.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// `batch_size`: rows deleted per statement (each its own short
+    /// transaction); a sweep deletes batches until nothing is due.
+    /// Default 5000.
+    pub batch_size: u32,
 }
 
 impl Default for RetentionSettings {
     fn default() -> Self {
-        Self { days: 7 }
+        Self {
+            days: 7,
+            interval: Duration::from_secs(600),
+            batch_size: 5000,
+        }
     }
 }
 
@@ -449,6 +461,15 @@ impl Settings {
         }
         if failure.max_body_size == 0 {
             return Err(Error::setting("failure.max_body_size", "must be at least 1"));
+        }
+        if self.retention.days == 0 {
+            return Err(Error::setting("retention.days", "must be at least 1"));
+        }
+        if self.retention.interval.is_zero() {
+            return Err(Error::setting("retention.interval", "must be more than 0"));
+        }
+        if self.retention.batch_size == 0 {
+            return Err(Error::setting("retention.batch_size", "must be at least 1"));
         }
         let path = failure.longest_redelivery_path();
         if self.retention.period() <= path {

@@ -16,6 +16,8 @@
 //!   the handlers in one unit of work, commits or rolls back.
 //! - [`HandlerActor`]: the handlers of one event type; a panic fails the
 //!   message and restarts the actor, nothing else.
+//! - [`RetentionActor`]: deletes inbox rows past `retention.days`, while
+//!   the inbox is on.
 //! - [`Publisher`]: publishes over the broker, or in process.
 //! - [`Stats`]: what happened to the messages, for logs and metrics.
 
@@ -23,6 +25,7 @@ mod consumer;
 mod dedup;
 mod handler;
 mod publisher;
+mod retention;
 mod runtime;
 mod stats;
 
@@ -30,6 +33,7 @@ pub use consumer::{ConsumerActor, Drain};
 pub use dedup::{Abandoned, DedupActor, Deliver, Outcome, Routes};
 pub use handler::{Handle, Handled, HandlerActor, HandlerFailure, Restart};
 pub use publisher::Publisher;
+pub use retention::{RetentionActor, StopSweeping, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use stats::{Stats, StatsSnapshot};
 

@@ -19,6 +19,7 @@ use crate::consumer::{ConsumerActor, Drain};
 use crate::dedup::{DedupActor, Routes};
 use crate::handler::HandlerActor;
 use crate::publisher::Publisher;
+use crate::retention::{RetentionActor, StopSweeping};
 use crate::stats::{Stats, StatsSnapshot};
 
 /// The consumer id in-process publishing uses when no queue is configured.
@@ -111,6 +112,12 @@ impl RuntimeBuilder {
             Supervisor::start(move |_| DedupActor::new(pool, store, routes, lock_timeout, stats))
         };
 
+        // Rows of an enabled period stay while the inbox is off: nothing
+        // deletes them until it is on again.
+        let retention = inbox_on.then(|| {
+            RetentionActor::new(pool.clone(), settings.retention.clone(), Arc::clone(&stats)).start()
+        });
+
         let mut runtime = Runtime {
             publisher: Publisher::InProcess {
                 dedup: dedup.clone().recipient(),
@@ -125,6 +132,7 @@ impl RuntimeBuilder {
             dedup,
             connection: None,
             consumers: Vec::new(),
+            retention,
             stats,
         };
         if runtime.settings.message_bus.provider == Provider::Rabbitmq
@@ -145,6 +153,7 @@ pub struct Runtime {
     dedup: Addr<DedupActor>,
     connection: Option<inbox::lapin::Connection>,
     consumers: Vec<Addr<ConsumerActor>>,
+    retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
     stats: Arc<Stats>,
 }
@@ -228,6 +237,12 @@ impl Runtime {
         &self.dedup
     }
 
+    /// The retention actor, while the inbox is on: send it
+    /// [`Sweep`](crate::Sweep) to sweep now.
+    pub fn retention(&self) -> Option<&Addr<RetentionActor>> {
+        self.retention.as_ref()
+    }
+
     /// The settings it runs with.
     pub fn settings(&self) -> &Settings {
         &self.settings
@@ -252,6 +267,9 @@ impl Runtime {
                 ?timeout,
                 "messages still in flight at the shutdown timeout; they will be redelivered"
             );
+        }
+        if let Some(retention) = &self.retention {
+            let _ = retention.send(StopSweeping).await;
         }
         if let Some(connection) = &self.connection
             && let Err(e) = connection.close(200, "shutdown".into()).await

@@ -1,5 +1,5 @@
-//! Counters of what the runtime did with each message, for progress logs and
-//! whatever metrics a service keeps.
+//! Counters of what the runtime did with each message and each retention
+//! sweep, for progress logs and whatever metrics a service keeps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,6 +14,10 @@ pub struct Stats {
     delayed: AtomicU64,
     dead_lettered: AtomicU64,
     unconfirmed_acks: AtomicU64,
+    sweeps: AtomicU64,
+    sweeps_skipped: AtomicU64,
+    swept_rows: AtomicU64,
+    longest_sweep_batch_micros: AtomicU64,
 }
 
 /// A reading of [`Stats`].
@@ -39,6 +43,14 @@ pub struct StatsSnapshot {
     /// Acks or nacks the broker could not take because the channel had been
     /// recovered; those messages come back and the inbox skips them.
     pub unconfirmed_acks: u64,
+    /// Retention sweeps this instance ran.
+    pub sweeps: u64,
+    /// Retention rounds skipped because another instance was sweeping.
+    pub sweeps_skipped: u64,
+    /// Inbox rows the sweeps deleted.
+    pub swept_rows: u64,
+    /// The slowest delete batch of any sweep, in microseconds.
+    pub longest_sweep_batch_micros: u64,
 }
 
 /// One of the counters.
@@ -69,6 +81,18 @@ impl Stats {
         cell.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn record_sweep(&self, report: &inbox::SweepReport) {
+        if !report.swept {
+            self.sweeps_skipped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.sweeps.fetch_add(1, Ordering::Relaxed);
+        self.swept_rows.fetch_add(report.rows, Ordering::Relaxed);
+        let micros = u64::try_from(report.longest_batch.as_micros()).unwrap_or(u64::MAX);
+        self.longest_sweep_batch_micros
+            .fetch_max(micros, Ordering::Relaxed);
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         let read = |cell: &AtomicU64| cell.load(Ordering::Relaxed);
@@ -81,6 +105,10 @@ impl Stats {
             delayed: read(&self.delayed),
             dead_lettered: read(&self.dead_lettered),
             unconfirmed_acks: read(&self.unconfirmed_acks),
+            sweeps: read(&self.sweeps),
+            sweeps_skipped: read(&self.sweeps_skipped),
+            swept_rows: read(&self.swept_rows),
+            longest_sweep_batch_micros: read(&self.longest_sweep_batch_micros),
         }
     }
 }

@@ -189,6 +189,10 @@ async fn with_the_inbox_off_a_duplicate_runs_twice() {
     let mut settings = env.settings();
     settings.message_bus.enable_inbox = Some(false);
     let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    assert!(
+        runtime.retention().is_none(),
+        "no cleanup runs with the inbox off"
+    );
     let message = Message::new(Counted { key: 4 });
     runtime.publisher().publish(&env.queue, &message).await.unwrap();
     runtime.publisher().publish(&env.queue, &message).await.unwrap();

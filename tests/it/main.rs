@@ -13,6 +13,8 @@ mod bad_input;
 mod failure_policy;
 // The unit of work never returns an open transaction to the pool.
 mod unit_of_work;
+// Retention: old rows go in batches, one instance per database at a time.
+mod retention;
 // Graceful shutdown: drain what is in flight, within the timeout.
 mod shutdown;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.

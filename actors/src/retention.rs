@@ -1,0 +1,108 @@
+//! [`RetentionActor`]: keeps `inbox_messages` from growing forever.
+//!
+//! Owns a handle on the pool and the `[retention]` settings. Every
+//! `retention.interval` it runs an [`inbox::sweep`] (one at a time in this
+//! instance; across instances the sweep's advisory lock lets one per
+//! database go, the others skip the round). Receives [`Sweep`] to sweep now,
+//! replying with the [`SweepReport`](inbox::SweepReport), and [`StopSweeping`]
+//! at shutdown. Sends nothing; records each sweep in [`Stats`]. The runtime
+//! starts it only while the inbox is on.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use inbox::deadpool_postgres::Pool;
+use inbox::{RetentionSettings, SweepReport};
+
+use crate::stats::Stats;
+
+/// Sweep now, whatever the interval says.
+#[derive(Message)]
+#[rtype(result = "inbox::Result<SweepReport>")]
+pub struct Sweep;
+
+/// Stop sweeping (shutdown).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopSweeping;
+
+/// Deletes inbox rows past `retention.days`, every `retention.interval`.
+pub struct RetentionActor {
+    pool: Pool,
+    settings: RetentionSettings,
+    stats: Arc<Stats>,
+    sweeping: bool,
+}
+
+impl RetentionActor {
+    /// An actor sweeping `pool`'s database.
+    pub fn new(pool: Pool, settings: RetentionSettings, stats: Arc<Stats>) -> Self {
+        Self {
+            pool,
+            settings,
+            stats,
+            sweeping: false,
+        }
+    }
+
+    /// One sweep, logged and counted.
+    fn sweep(&mut self) -> impl ActorFuture<Self, Output = inbox::Result<SweepReport>> + 'static {
+        self.sweeping = true;
+        let (pool, settings) = (self.pool.clone(), self.settings.clone());
+        async move { inbox::sweep(&pool, &settings).await }
+            .into_actor(self)
+            .map(|result, actor, _| {
+                actor.sweeping = false;
+                match &result {
+                    Ok(report) if report.swept => {
+                        actor.stats.record_sweep(report);
+                        tracing::info!(
+                            rows = report.rows,
+                            batches = report.batches,
+                            duration = ?report.duration,
+                            longest_batch = ?report.longest_batch,
+                            "retention sweep"
+                        );
+                    }
+                    Ok(report) => {
+                        actor.stats.record_sweep(report);
+                        tracing::debug!("another instance is sweeping this database; skipped this round");
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention sweep failed; the next round tries again")
+                    }
+                }
+                result
+            })
+    }
+}
+
+impl Actor for RetentionActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.settings.interval, |actor, ctx| {
+            if !actor.sweeping {
+                ctx.spawn(actor.sweep().map(|_, _, _| ()));
+            }
+        });
+    }
+}
+
+impl actix::Handler<Sweep> for RetentionActor {
+    type Result = ResponseActFuture<Self, inbox::Result<SweepReport>>;
+
+    fn handle(&mut self, _: Sweep, _ctx: &mut Context<Self>) -> Self::Result {
+        Box::pin(self.sweep())
+    }
+}
+
+impl actix::Handler<StopSweeping> for RetentionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: StopSweeping, ctx: &mut Context<Self>) {
+        // A sweep cut short here drops its lock guard, which closes the
+        // connection and with it the advisory lock.
+        ctx.stop();
+    }
+}

@@ -1,0 +1,150 @@
+//! Retention: deleting inbox rows older than `retention.days`, in bounded
+//! batches, one instance per database at a time.
+
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::{Object, Pool};
+
+use crate::error::Result;
+use crate::settings::RetentionSettings;
+
+/// A table the sweep keeps trimmed, and the column that dates its rows. The
+/// outbox adds its table here.
+struct Swept {
+    table: &'static str,
+    dated_by: &'static str,
+}
+
+const SWEPT: &[Swept] = &[Swept {
+    table: "inbox_messages",
+    dated_by: "processed_at",
+}];
+
+/// Key of the session advisory lock that lets one instance sweep a database
+/// at a time ("inbox.rt" in ASCII).
+const LOCK_KEY: i64 = 0x0069_6e62_6f78_2e72;
+
+/// What one [`sweep`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Whether this instance swept; `false` when another one held the lock
+    /// (this round is skipped, nothing was waited for).
+    pub swept: bool,
+    /// Rows deleted.
+    pub rows: u64,
+    /// Statements that deleted rows.
+    pub batches: u32,
+    /// The whole sweep.
+    pub duration: Duration,
+    /// The slowest single batch: how long a delete held its locks.
+    pub longest_batch: Duration,
+}
+
+/// Deletes every row older than `retention.days`, `retention.batch_size`
+/// rows per statement (each its own transaction, skipping rows locked by
+/// someone else), until nothing is due. Unless another instance is sweeping
+/// the same database: then it returns at once with `swept: false`.
+pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepReport> {
+    let started = Instant::now();
+    let Some(lock) = SweepLock::try_take(pool.get().await?).await? else {
+        return Ok(SweepReport::default());
+    };
+    let mut report = SweepReport {
+        swept: true,
+        ..SweepReport::default()
+    };
+    let limit = i64::from(retention.batch_size);
+    let age = retention.period();
+    for swept in SWEPT {
+        // ctid = ANY(ARRAY(..)) deletes by physical row address (a TID scan):
+        // no second index lookup per row. SKIP LOCKED leaves a row that a
+        // message's transaction holds to that transaction.
+        let sql = format!(
+            "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
+                 SELECT ctid FROM {table} WHERE {dated_by} < now() - $1::float8 * interval '1 second'
+                 LIMIT $2 FOR UPDATE SKIP LOCKED))",
+            table = swept.table,
+            dated_by = swept.dated_by,
+        );
+        let statement = lock.connection().prepare_cached(&sql).await?;
+        let age_seconds = age.as_secs_f64();
+        loop {
+            let batch_started = Instant::now();
+            let deleted = lock
+                .connection()
+                .execute(&statement, &[&age_seconds, &limit])
+                .await?;
+            report.longest_batch = report.longest_batch.max(batch_started.elapsed());
+            if deleted == 0 {
+                break;
+            }
+            report.rows += deleted;
+            report.batches += 1;
+            if deleted < limit as u64 {
+                break;
+            }
+        }
+    }
+    lock.release().await?;
+    report.duration = started.elapsed();
+    Ok(report)
+}
+
+/// A pooled connection holding the sweep's session advisory lock. Dropped
+/// without [`release`](Self::release) (an error, a cancelled sweep), it
+/// discards the connection, which releases the lock: a pooled connection
+/// still holding it would stop every other instance from sweeping.
+struct SweepLock {
+    connection: Option<Object>,
+}
+
+impl SweepLock {
+    async fn try_take(connection: Object) -> Result<Option<Self>> {
+        // Armed before the lock is asked for, in case the ask is cancelled.
+        let lock = Self {
+            connection: Some(connection),
+        };
+        let row = lock
+            .connection()
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK_KEY])
+            .await?;
+        if row.try_get(0)? {
+            Ok(Some(lock))
+        } else {
+            lock.give_back();
+            Ok(None)
+        }
+    }
+
+    fn connection(&self) -> &Object {
+        // Only `release`, `give_back` and `Drop` take it, and they end `self`.
+        self.connection
+            .as_ref()
+            .expect("a held sweep lock has its connection")
+    }
+
+    async fn release(mut self) -> Result<()> {
+        self.connection()
+            .execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY])
+            .await?;
+        self.give_back_connection();
+        Ok(())
+    }
+
+    /// The lock was not taken: the connection goes back to the pool as is.
+    fn give_back(mut self) {
+        self.give_back_connection();
+    }
+
+    fn give_back_connection(&mut self) {
+        drop(self.connection.take());
+    }
+}
+
+impl Drop for SweepLock {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            drop(Object::take(connection));
+        }
+    }
+}
