@@ -13,24 +13,8 @@ mod common;
 
 use std::collections::HashSet;
 
-use common::AttendeeCheckedIn;
+use common::{AttendeeCheckedIn, XorShift};
 use inbox::{AmqpPublisher, Message, amqp};
-
-/// A small deterministic generator: enough to vary ids, no extra crate.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
@@ -68,7 +52,7 @@ async fn run() -> inbox::Result<()> {
                 attendee_id: -1 - random.below(100) as i64,
                 session_id: 1 + random.below(10) as i64,
             })
-        } else if !sent.is_empty() && (random.below(1_000_000) as f64) < dup_ratio * 1_000_000.0 {
+        } else if !sent.is_empty() && random.chance(dup_ratio) {
             sent[random.below(sent.len() as u64) as usize].clone()
         } else {
             Message::new(AttendeeCheckedIn {

@@ -20,7 +20,7 @@
 //! messages in flight.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use inbox::amqp::{error_queue, retry_queue, skipped_queue};
@@ -130,7 +130,7 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
             return;
         }
         self.in_flight += 1;
-        let work = Arc::clone(&self.settler).settle(delivery);
+        let work = Arc::clone(&self.settler).settle(delivery, Instant::now());
         ctx.spawn(
             work.into_actor(self)
                 .map(|(), actor, ctx| actor.message_done(ctx)),
@@ -191,7 +191,7 @@ struct Settler {
 impl Settler {
     /// Runs one delivery through the inbox and the failure policy, and
     /// settles it with the broker.
-    async fn settle(self: Arc<Self>, mut delivery: Delivery) {
+    async fn settle(self: Arc<Self>, mut delivery: Delivery, arrived: Instant) {
         let history = FailureHistory::read(
             delivery
                 .properties
@@ -224,7 +224,9 @@ impl Settler {
             }
         };
         let span = envelope.span.clone();
-        self.process(delivery, envelope, history).instrument(span).await
+        self.process(delivery, envelope, history, arrived)
+            .instrument(span)
+            .await
     }
 
     /// A malformed delivery: straight to `Q.error`, no handler ran.
@@ -249,7 +251,13 @@ impl Settler {
             .await;
     }
 
-    async fn process(&self, delivery: Delivery, envelope: Arc<Envelope>, mut history: FailureHistory) {
+    async fn process(
+        &self,
+        delivery: Delivery,
+        envelope: Arc<Envelope>,
+        mut history: FailureHistory,
+        arrived: Instant,
+    ) {
         let mut retry = 0;
         let abandoned: Abandoned = loop {
             let deliver = Deliver {
@@ -265,7 +273,9 @@ impl Settler {
             match outcome {
                 Outcome::Completed | Outcome::Duplicate => {
                     tracing::debug!(?outcome, "acking");
-                    return ack(&delivery, &self.stats).await;
+                    ack(&delivery, &self.stats).await;
+                    self.stats.record_latency(arrived.elapsed());
+                    return;
                 }
                 Outcome::Rejected(reason) => {
                     tracing::warn!(%reason, "the body is not the event; moving it to the error queue");

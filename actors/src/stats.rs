@@ -2,9 +2,14 @@
 //! sweep, for progress logs and whatever metrics a service keeps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Latency buckets: four per power of two of microseconds, up to about
+/// 2^40 µs (12 days).
+const LATENCY_BUCKETS: usize = 4 * 40;
 
 /// Live counters, shared by the runtime's actors.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     completed: AtomicU64,
     duplicates: AtomicU64,
@@ -18,6 +23,7 @@ pub struct Stats {
     sweeps_skipped: AtomicU64,
     swept_rows: AtomicU64,
     longest_sweep_batch_micros: AtomicU64,
+    latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
 /// A reading of [`Stats`].
@@ -66,7 +72,53 @@ pub(crate) enum Counter {
     UnconfirmedAcks,
 }
 
+impl Default for Stats {
+    fn default() -> Self {
+        Self {
+            completed: AtomicU64::new(0),
+            duplicates: AtomicU64::new(0),
+            abandoned: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            delayed: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            unconfirmed_acks: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
+            sweeps_skipped: AtomicU64::new(0),
+            swept_rows: AtomicU64::new(0),
+            longest_sweep_batch_micros: AtomicU64::new(0),
+            latency: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
 impl Stats {
+    /// Records how long a delivery took from its arrival to its ack.
+    pub(crate) fn record_latency(&self, latency: Duration) {
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.latency[latency_bucket(micros)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The `quantile` (0.5 for the median, 0.99…) of the time from a
+    /// delivery's arrival to its ack, over every message acked so far; within
+    /// about 19% (the bucket's upper bound). `None` before the first ack.
+    pub fn latency_quantile(&self, quantile: f64) -> Option<Duration> {
+        let counts: Vec<u64> = self.latency.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let rank = ((quantile.clamp(0.0, 1.0) * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (bucket, count) in counts.iter().enumerate() {
+            seen += count;
+            if seen >= rank {
+                return Some(Duration::from_micros(bucket_upper_bound(bucket)));
+            }
+        }
+        Some(Duration::from_micros(bucket_upper_bound(LATENCY_BUCKETS - 1)))
+    }
+
     pub(crate) fn add(&self, counter: Counter) {
         let cell = match counter {
             Counter::Completed => &self.completed,
@@ -110,5 +162,61 @@ impl Stats {
             swept_rows: read(&self.swept_rows),
             longest_sweep_batch_micros: read(&self.longest_sweep_batch_micros),
         }
+    }
+}
+
+/// Values 0 to 3 µs have a bucket each; above, each power of two is split in
+/// four by the two bits after the leading one.
+fn latency_bucket(micros: u64) -> usize {
+    if micros < 4 {
+        return micros as usize;
+    }
+    let exponent = 63 - micros.leading_zeros() as usize; // floor(log2), at least 2
+    let quarter = ((micros >> (exponent - 2)) & 3) as usize;
+    (4 * (exponent - 1) + quarter).min(LATENCY_BUCKETS - 1)
+}
+
+fn bucket_upper_bound(bucket: usize) -> u64 {
+    if bucket < 4 {
+        return bucket as u64 + 1;
+    }
+    let exponent = bucket / 4 + 1;
+    let quarter = (bucket % 4) as u64;
+    (4 + quarter + 1) << (exponent - 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_latency_falls_in_a_bucket_whose_bound_is_at_most_a_quarter_above_it() {
+        for micros in (0..5000).chain([65_535, 1 << 20, 123_456_789]) {
+            let upper = bucket_upper_bound(latency_bucket(micros));
+            assert!(upper > micros, "{micros} µs: bound {upper}");
+            assert!(
+                upper as f64 <= (micros as f64 * 1.25).max(micros as f64 + 1.0),
+                "{micros} µs: bound {upper}"
+            );
+        }
+    }
+
+    #[test]
+    fn quantiles_read_from_the_buckets() {
+        let stats = Stats::default();
+        assert_eq!(stats.latency_quantile(0.5), None);
+        for ms in 1..=100 {
+            stats.record_latency(Duration::from_millis(ms));
+        }
+        let p50 = stats.latency_quantile(0.5).unwrap();
+        let p99 = stats.latency_quantile(0.99).unwrap();
+        assert!(
+            p50 >= Duration::from_millis(50) && p50 <= Duration::from_micros(62_500),
+            "{p50:?}"
+        );
+        assert!(
+            p99 >= Duration::from_millis(99) && p99 <= Duration::from_micros(123_750),
+            "{p99:?}"
+        );
     }
 }

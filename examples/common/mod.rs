@@ -4,7 +4,7 @@
 // Each example compiles this module on its own and uses part of it.
 #![allow(dead_code)]
 
-use inbox::{IntegrationEvent, QueueSettings, Settings};
+use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork};
 use serde::{Deserialize, Serialize};
 
 /// The queue the check-in service consumes unless `--queue` says otherwise.
@@ -19,6 +19,78 @@ pub struct AttendeeCheckedIn {
 
 impl IntegrationEvent for AttendeeCheckedIn {
     const TYPE: &'static str = "AttendeeCheckedIn";
+}
+
+/// Adds a check-in for the attendee.
+pub const COUNT_CHECKIN: &str = "INSERT INTO attendee_checkins (attendee_id, checkins) VALUES ($1, 1)
+     ON CONFLICT (attendee_id) DO UPDATE SET checkins = attendee_checkins.checkins + 1";
+
+/// Adds an attendee to the session.
+pub const COUNT_ATTENDANCE: &str = "INSERT INTO session_attendance (session_id, attendees) VALUES ($1, 1)
+     ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + 1";
+
+/// Counts check-ins per attendee; refuses negative attendee ids (a
+/// deliberate business failure, to show the failure path).
+pub struct CountCheckins;
+
+impl EventHandler<AttendeeCheckedIn> for CountCheckins {
+    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.attendee_id < 0 {
+            return Err(format!("attendee_id {} is negative", event.attendee_id).into());
+        }
+        let client = uow.client();
+        let statement = client.prepare_cached(COUNT_CHECKIN).await?;
+        client.execute(&statement, &[&event.attendee_id]).await?;
+        Ok(())
+    }
+}
+
+/// Counts attendees per session.
+pub struct CountAttendance;
+
+impl EventHandler<AttendeeCheckedIn> for CountAttendance {
+    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let client = uow.client();
+        let statement = client.prepare_cached(COUNT_ATTENDANCE).await?;
+        client.execute(&statement, &[&event.session_id]).await?;
+        Ok(())
+    }
+}
+
+/// The service's own tables, created before anything is consumed.
+pub async fn create_tables(settings: &Settings) -> inbox::Result<()> {
+    let pool = inbox::create_pool(settings)?;
+    pool.get()
+        .await?
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS attendee_checkins (attendee_id bigint PRIMARY KEY, checkins bigint NOT NULL);
+             CREATE TABLE IF NOT EXISTS session_attendance (session_id bigint PRIMARY KEY, attendees bigint NOT NULL);",
+        )
+        .await?;
+    pool.close();
+    Ok(())
+}
+
+/// A small deterministic generator: enough to vary ids, no extra crate.
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    /// `true` with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        (self.below(1_000_000) as f64) < p * 1_000_000.0
+    }
 }
 
 /// The value after `--name` on the command line.

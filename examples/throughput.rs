@@ -1,0 +1,479 @@
+//! Throughput: the runtime against the loop a user would write by hand, in
+//! one run, on the same machine, queue type, prefetch and workload.
+//!
+//! ```text
+//! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on] [--repeat 1]
+//! ```
+//!
+//! Every scenario consumes the same pre-published check-in events (a share
+//! of them re-using an id already sent) from a fresh quorum queue until all
+//! are acked:
+//!
+//! - `raw`: lapin consume and ack, no database: the ceiling.
+//! - `handwritten`: a plain tokio loop with up to `prefetch` messages in
+//!   flight: BEGIN, INSERT .. ON CONFLICT into `inbox_messages`, the two
+//!   check-in updates, COMMIT, ack.
+//! - `inbox_off`: the runtime with the inbox off (duplicates run twice, so
+//!   `effects_ok=false` whenever there are duplicates).
+//! - `inbox_on`: the runtime.
+//!
+//! With `--repeat N` the scenarios are interleaved N times and each line
+//! gives the medians. Latency is from a delivery's arrival to its ack.
+//! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
+//! which it drops and creates.
+
+mod common;
+
+use std::collections::HashSet;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
+use futures_util::StreamExt;
+use inbox::deadpool_postgres::Pool;
+use inbox::lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
+};
+use inbox::lapin::types::FieldTable;
+use inbox::lapin::{BasicProperties, Connection};
+use inbox::{Error, Message, QueueSettings, Result, Settings, amqp};
+use inbox_actors::Runtime;
+use tokio::sync::Mutex;
+
+const DATABASE: &str = "inbox_throughput";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Raw,
+    Handwritten,
+    InboxOff,
+    InboxOn,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Raw => "raw",
+            Scenario::Handwritten => "handwritten",
+            Scenario::InboxOff => "inbox_off",
+            Scenario::InboxOn => "inbox_on",
+        }
+    }
+}
+
+impl FromStr for Scenario {
+    type Err = String;
+
+    fn from_str(name: &str) -> std::result::Result<Self, String> {
+        [
+            Scenario::Raw,
+            Scenario::Handwritten,
+            Scenario::InboxOff,
+            Scenario::InboxOn,
+        ]
+        .into_iter()
+        .find(|s| s.name() == name)
+        .ok_or_else(|| format!("unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on)"))
+    }
+}
+
+/// One scenario's run.
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    seconds: f64,
+    p50: Duration,
+    p99: Duration,
+    effects_ok: bool,
+}
+
+/// The events, in publishing order, duplicates included.
+struct Workload {
+    messages: Vec<Message<AttendeeCheckedIn>>,
+    unique: usize,
+}
+
+impl Workload {
+    fn new(count: usize, dup_ratio: f64) -> Self {
+        let mut random = XorShift(0x2545_f491_4f6c_dd1d);
+        let mut messages: Vec<Message<AttendeeCheckedIn>> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let message = if !messages.is_empty() && random.chance(dup_ratio) {
+                messages[random.below(messages.len() as u64) as usize].clone()
+            } else {
+                Message::new(AttendeeCheckedIn {
+                    attendee_id: 1 + random.below(5000) as i64,
+                    session_id: 1 + random.below(50) as i64,
+                })
+            };
+            messages.push(message);
+        }
+        let unique = messages.iter().map(|m| m.id).collect::<HashSet<_>>().len();
+        Self { messages, unique }
+    }
+}
+
+#[actix::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("throughput: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<()> {
+    let count: usize = common::parsed_arg("--count", 20_000);
+    let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
+    let prefetch: u16 = common::parsed_arg("--prefetch", 16);
+    let repeat: usize = common::parsed_arg("--repeat", 1);
+    let scenarios: Vec<Scenario> = common::arg("--scenarios")
+        .unwrap_or_else(|| "raw,handwritten,inbox_off,inbox_on".into())
+        .split(',')
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(Error::Runtime)?;
+
+    let mut settings = common::settings()?;
+    settings.database.name = Some(DATABASE.into());
+    // One connection per message in flight, and a spare.
+    settings.database.pool_size = usize::from(prefetch) + 1;
+    recreate_database(&settings).await?;
+    common::create_tables(&settings).await?;
+    let pool = inbox::create_pool(&settings)?;
+    inbox::run_migrations(&mut *pool.get().await?).await?;
+    let connection = amqp::connect(&settings, "inbox throughput").await?;
+
+    let workload = Workload::new(count, dup_ratio);
+    eprintln!(
+        "count={count} unique={} prefetch={prefetch} repeat={repeat}: one line per run on stderr, medians on stdout",
+        workload.unique
+    );
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); scenarios.len()];
+    for round in 0..repeat {
+        for (i, &scenario) in scenarios.iter().enumerate() {
+            pool.get()
+                .await?
+                .batch_execute("TRUNCATE attendee_checkins, session_attendance, inbox_messages")
+                .await?;
+            let mut queue =
+                QueueSettings::new(format!("throughput.{}.{}", scenario.name(), uuid::Uuid::now_v7()));
+            queue.prefetch = prefetch;
+            let channel = connection.create_channel().await?;
+            amqp::declare_topology(&channel, &queue, &settings.failure).await?;
+            prefill(&connection, &queue.name, &workload).await?;
+
+            let mut for_runtime = settings.clone();
+            for_runtime.queues = vec![queue.clone()];
+            let measured = match scenario {
+                Scenario::Raw => raw(&connection, &queue, count).await?,
+                Scenario::Handwritten => handwritten(&connection, &pool, &queue, count).await?,
+                Scenario::InboxOff => runtime(for_runtime, false, count).await?,
+                Scenario::InboxOn => runtime(for_runtime, true, count).await?,
+            };
+            let measured = Measured {
+                effects_ok: scenario == Scenario::Raw || effects_ok(&pool, workload.unique).await?,
+                ..measured
+            };
+            for name in topology(&queue.name, settings.failure.delays.len()) {
+                channel
+                    .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+            }
+            eprintln!(
+                "round={round} {}",
+                line(scenario, count, workload.unique, &measured)
+            );
+            runs[i].push(measured);
+        }
+    }
+    for (scenario, runs) in scenarios.iter().zip(runs) {
+        println!("{}", line(*scenario, count, workload.unique, &median(runs)));
+    }
+    connection.close(200, "done".into()).await?;
+    Ok(())
+}
+
+/// Every queue kept for `queue`.
+fn topology(queue: &str, tiers: usize) -> Vec<String> {
+    let mut names: Vec<String> = (1..=tiers).map(|tier| amqp::retry_queue(queue, tier)).collect();
+    names.extend([
+        amqp::error_queue(queue),
+        amqp::skipped_queue(queue),
+        queue.to_owned(),
+    ]);
+    names
+}
+
+fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String {
+    format!(
+        "scenario={} messages={count} unique={unique} seconds={:.3} msgs_per_s={:.0} p50_ms={:.2} p99_ms={:.2} effects_ok={}",
+        scenario.name(),
+        m.seconds,
+        count as f64 / m.seconds,
+        m.p50.as_secs_f64() * 1000.0,
+        m.p99.as_secs_f64() * 1000.0,
+        m.effects_ok
+    )
+}
+
+/// The run with the median time (its latencies with it).
+fn median(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    runs[runs.len() / 2]
+}
+
+async fn recreate_database(settings: &Settings) -> Result<()> {
+    let mut admin = settings.clone();
+    admin.database.name = None;
+    let pool = inbox::create_pool(&admin)?;
+    let client = pool.get().await?;
+    client
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+        .await?;
+    client
+        .batch_execute(&format!("CREATE DATABASE {DATABASE}"))
+        .await?;
+    Ok(())
+}
+
+/// Publishes the workload to `queue`, confirms collected in windows.
+async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> Result<()> {
+    let channel = connection.create_channel().await?;
+    channel.confirm_select(Default::default()).await?;
+    for window in workload.messages.chunks(1000) {
+        let mut confirms = Vec::with_capacity(window.len());
+        for message in window {
+            let properties = BasicProperties::default()
+                .with_message_id(message.id.to_string().into())
+                .with_type("AttendeeCheckedIn".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2);
+            let body = message.to_json()?;
+            confirms.push(
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions::default(),
+                        &body,
+                        properties,
+                    )
+                    .await?,
+            );
+        }
+        for confirm in confirms {
+            if !confirm.await?.is_ack() {
+                return Err(Error::Runtime(format!(
+                    "prefill: the broker nacked a message for {queue}"
+                )));
+            }
+        }
+    }
+    channel.close(200, "prefilled".into()).await?;
+    Ok(())
+}
+
+/// Latencies measured outside the runtime, and their quantiles.
+#[derive(Default)]
+struct Latencies(Mutex<Vec<Duration>>);
+
+impl Latencies {
+    async fn record(&self, latency: Duration) {
+        self.0.lock().await.push(latency);
+    }
+
+    async fn quantiles(&self) -> (Duration, Duration) {
+        let mut all = self.0.lock().await.clone();
+        all.sort();
+        let at = |q: f64| {
+            all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
+                .copied()
+        };
+        (at(0.5).unwrap_or_default(), at(0.99).unwrap_or_default())
+    }
+}
+
+async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Result<Measured> {
+    let started = Instant::now();
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(queue.prefetch, BasicQosOptions::default())
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            queue.name.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let latencies = Latencies::default();
+    for _ in 0..count {
+        let Some(delivery) = consumer.next().await else {
+            return Err(Error::Runtime("raw: the consumer ended early".into()));
+        };
+        let arrived = Instant::now();
+        delivery?.ack(BasicAckOptions::default()).await?;
+        latencies.record(arrived.elapsed()).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    channel.close(200, "done".into()).await?;
+    let (p50, p99) = latencies.quantiles().await;
+    Ok(Measured {
+        seconds,
+        p50,
+        p99,
+        effects_ok: true,
+    })
+}
+
+/// The loop a user would write without this crate.
+async fn handwritten(
+    connection: &Connection,
+    pool: &Pool,
+    queue: &QueueSettings,
+    count: usize,
+) -> Result<Measured> {
+    let started = Instant::now();
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(queue.prefetch, BasicQosOptions::default())
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            queue.name.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let latencies = Arc::new(Latencies::default());
+    let done = Arc::new(AtomicUsize::new(0));
+    let (finished, all_done) = tokio::sync::oneshot::channel();
+    let finished = Arc::new(std::sync::Mutex::new(Some(finished)));
+    for _ in 0..count {
+        let Some(delivery) = consumer.next().await else {
+            return Err(Error::Runtime("handwritten: the consumer ended early".into()));
+        };
+        let delivery = delivery?;
+        let arrived = Instant::now();
+        let (pool, consumer_id) = (pool.clone(), queue.name.clone());
+        let (latencies, done, finished) = (Arc::clone(&latencies), Arc::clone(&done), Arc::clone(&finished));
+        // The broker's prefetch bounds how many of these run at once.
+        tokio::spawn(async move {
+            if let Err(e) = process_by_hand(&pool, &consumer_id, &delivery).await {
+                eprintln!("handwritten: {e}");
+                return;
+            }
+            if let Err(e) = delivery.ack(BasicAckOptions::default()).await {
+                eprintln!("handwritten: ack: {e}");
+                return;
+            }
+            latencies.record(arrived.elapsed()).await;
+            if done.fetch_add(1, Ordering::SeqCst) + 1 == count
+                && let Some(finished) = finished.lock().ok().and_then(|mut f| f.take())
+            {
+                let _ = finished.send(());
+            }
+        });
+    }
+    all_done
+        .await
+        .map_err(|_| Error::Runtime("handwritten: a message failed".into()))?;
+    let seconds = started.elapsed().as_secs_f64();
+    channel.close(200, "done".into()).await?;
+    let (p50, p99) = latencies.quantiles().await;
+    Ok(Measured {
+        seconds,
+        p50,
+        p99,
+        effects_ok: true,
+    })
+}
+
+async fn process_by_hand(
+    pool: &Pool,
+    consumer: &str,
+    delivery: &inbox::lapin::message::Delivery,
+) -> Result<()> {
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .and_then(|id| uuid::Uuid::try_parse(id.as_str()).ok())
+        .ok_or_else(|| Error::Runtime("no message_id".into()))?;
+    let event: AttendeeCheckedIn =
+        serde_json::from_slice(&delivery.data).map_err(|e| Error::Runtime(format!("body: {e}")))?;
+    let mut client = pool.get().await?;
+    let claim = client
+        .prepare_cached(
+            "INSERT INTO inbox_messages (consumer, message_id, event_type, processed_at)
+             VALUES ($1, $2, 'AttendeeCheckedIn', now()) ON CONFLICT DO NOTHING",
+        )
+        .await?;
+    let checkin = client.prepare_cached(common::COUNT_CHECKIN).await?;
+    let attendance = client.prepare_cached(common::COUNT_ATTENDANCE).await?;
+    let tx = client.transaction().await?;
+    if tx.execute(&claim, &[&consumer, &id]).await? == 1 {
+        tx.execute(&checkin, &[&event.attendee_id]).await?;
+        tx.execute(&attendance, &[&event.session_id]).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn runtime(mut settings: Settings, inbox_on: bool, count: usize) -> Result<Measured> {
+    settings.message_bus.enable_inbox = Some(inbox_on);
+    settings.database.run_migrations = false; // done once, before the runs
+    let started = Instant::now();
+    let runtime = Runtime::builder(settings)
+        .handler(CountCheckins)
+        .handler(CountAttendance)
+        .start()
+        .await?;
+    let stats = runtime.shared_stats();
+    loop {
+        let s = stats.snapshot();
+        if (s.completed + s.duplicates) as usize >= count {
+            break;
+        }
+        if s.abandoned + s.rejected + s.skipped > 0 {
+            return Err(Error::Runtime(format!("the runtime failed messages: {s:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    runtime.shutdown().await;
+    Ok(Measured {
+        seconds,
+        p50: stats.latency_quantile(0.5).unwrap_or_default(),
+        p99: stats.latency_quantile(0.99).unwrap_or_default(),
+        effects_ok: true,
+    })
+}
+
+/// Whether each unique event counted exactly once in both tables.
+async fn effects_ok(pool: &Pool, unique: usize) -> Result<bool> {
+    let row = pool
+        .get()
+        .await?
+        .query_one(
+            "SELECT (SELECT coalesce(sum(checkins), 0)::bigint FROM attendee_checkins),
+                    (SELECT coalesce(sum(attendees), 0)::bigint FROM session_attendance)",
+            &[],
+        )
+        .await?;
+    let (checkins, attendees): (i64, i64) = (row.get(0), row.get(1));
+    Ok(checkins == unique as i64 && attendees == unique as i64)
+}
