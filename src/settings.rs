@@ -139,6 +139,17 @@ pub struct QueueSettings {
     /// `kind`: `quorum` or `classic`. Default `quorum`.
     #[serde(default)]
     pub kind: QueueKind,
+    /// `batch_size`: at most this many deliveries that are ready together
+    /// run in one transaction, each after a savepoint of its own, with one
+    /// commit. 1 (the default) processes each message in its own
+    /// transaction. Opt-in while it proves itself; at most 64 and at most
+    /// `prefetch`.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: u16,
+}
+
+fn default_batch_size() -> u16 {
+    1
 }
 
 fn default_prefetch() -> u16 {
@@ -153,6 +164,7 @@ impl QueueSettings {
             consumer: None,
             prefetch: default_prefetch(),
             kind: QueueKind::default(),
+            batch_size: default_batch_size(),
         }
     }
 
@@ -445,6 +457,14 @@ impl Settings {
                 // basic.qos 0 means "unlimited", which would defeat the pool sizing.
                 return Err(Error::setting(&key("prefetch"), "must be at least 1"));
             }
+            // Past 64 subtransactions PostgreSQL's snapshots overflow their
+            // cache and slow every session down.
+            if !(1..=64).contains(&queue.batch_size) || queue.batch_size > queue.prefetch {
+                return Err(Error::setting(
+                    &key("batch_size"),
+                    format!("must be from 1 to 64 and at most prefetch ({})", queue.prefetch),
+                ));
+            }
         }
         let failure = &self.failure;
         if failure.immediate_retries > 100 {
@@ -647,6 +667,18 @@ mod tests {
                 "kind",
             ),
             ("[databse]\nurl = \"x\"\n".to_string(), "databse"),
+            (
+                "[[queues]]\nname = \"a\"\nbatch_size = 0\n".to_string(),
+                "queues[0].batch_size",
+            ),
+            (
+                "[[queues]]\nname = \"a\"\nprefetch = 8\nbatch_size = 9\n".to_string(),
+                "queues[0].batch_size",
+            ),
+            (
+                "[[queues]]\nname = \"a\"\nprefetch = 100\nbatch_size = 65\n".to_string(),
+                "queues[0].batch_size",
+            ),
         ];
         for (text, key) in cases {
             let dir = temp_dir(&[("default.toml", &text)]);

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::error::SqlState;
+use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
@@ -28,9 +29,11 @@ pub struct UnitOfWork {
     /// Set once `COMMIT` or `ROLLBACK` succeeded: only then may the
     /// connection go back to the pool.
     finished: bool,
-    /// The inbox row for this message is written (staged) in this
+    /// Messages whose inbox record is written (staged) in this
     /// transaction; see [`InboxStore::complete`](crate::InboxStore::complete).
-    pub(crate) claimed: bool,
+    staged: Vec<Uuid>,
+    /// Whether a savepoint is open (batches keep one per message).
+    in_savepoint: bool,
 }
 
 impl UnitOfWork {
@@ -43,7 +46,8 @@ impl UnitOfWork {
         let uow = Self {
             connection: Some(connection),
             finished: false,
-            claimed: false,
+            staged: Vec::new(),
+            in_savepoint: false,
         };
         // One round trip for both; SET LOCAL ends with the transaction.
         let begin = format!(
@@ -62,6 +66,51 @@ impl UnitOfWork {
         self.connection
             .as_ref()
             .expect("a live unit of work holds its connection")
+    }
+
+    /// Records that the inbox record of `message_id` is written in this
+    /// transaction (for [`InboxStore`](crate::InboxStore) implementations).
+    pub fn stage(&mut self, message_id: Uuid) {
+        if !self.is_staged(message_id) {
+            self.staged.push(message_id);
+        }
+    }
+
+    /// Whether the inbox record of `message_id` is written in this transaction.
+    pub fn is_staged(&self, message_id: Uuid) -> bool {
+        self.staged.contains(&message_id)
+    }
+
+    /// Forgets the staged record of `message_id`; returns whether it was staged.
+    pub fn unstage(&mut self, message_id: Uuid) -> bool {
+        let before = self.staged.len();
+        self.staged.retain(|id| *id != message_id);
+        self.staged.len() != before
+    }
+
+    /// Marks the start of the next message in a batch: what follows can be
+    /// undone by [`rollback_to_savepoint`](Self::rollback_to_savepoint)
+    /// without touching the messages before. One savepoint is kept open at a
+    /// time (the previous one is released in the same round trip), so a
+    /// batch never nests subtransactions.
+    pub async fn savepoint(&mut self) -> Result<()> {
+        let sql = if self.in_savepoint {
+            "RELEASE SAVEPOINT message; SAVEPOINT message"
+        } else {
+            "SAVEPOINT message"
+        };
+        self.client().batch_execute(sql).await?;
+        self.in_savepoint = true;
+        Ok(())
+    }
+
+    /// Undoes everything since the last [`savepoint`](Self::savepoint),
+    /// including a failed statement: the transaction can go on.
+    pub async fn rollback_to_savepoint(&mut self) -> Result<()> {
+        self.client()
+            .batch_execute("ROLLBACK TO SAVEPOINT message")
+            .await?;
+        Ok(())
     }
 
     /// Commits. Fails, and discards the connection, when any statement in

@@ -13,6 +13,12 @@
 //! - malformed (bad properties, a body too large or not the event): moved
 //!   to `Q.error` at once; no handler for the type: moved to `Q.skipped`.
 //!
+//! With `batch_size` above 1, deliveries that arrive together are buffered
+//! until the actor has handled every one that is ready ([`Flush`]), then
+//! sent as one [`DeliverBatch`]; each delivery is settled from its own
+//! outcome, after the batch's commit. A batch fills up to `batch_size`, and
+//! at most `prefetch / batch_size` batches run at once.
+//!
 //! A move publishes the copy, with its [fault headers](inbox::fault), and
 //! waits for the broker's confirm before acking the original: a crash in
 //! between leaves a duplicate for the inbox to skip, never a loss.
@@ -23,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use futures_util::future::join_all;
 use inbox::amqp::{error_queue, retry_queue, skipped_queue};
 use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
@@ -33,7 +40,7 @@ use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use crate::dedup::{Abandoned, Deliver, Outcome};
+use crate::dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome};
 use crate::stats::{Counter, Stats};
 
 /// How long to wait before handing a message back to the broker when it
@@ -46,6 +53,12 @@ const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
 #[rtype(result = "()")]
 pub struct Drain;
 
+/// Send the buffered deliveries as batches (sent to itself once the
+/// deliveries that were ready together have all been buffered).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Flush;
+
 /// Consumes one queue.
 pub struct ConsumerActor {
     settler: Arc<Settler>,
@@ -56,6 +69,16 @@ pub struct ConsumerActor {
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
     stream_ended: bool,
+    batching: Batching,
+}
+
+/// The batch buffer of a consumer with `batch_size` above 1.
+struct Batching {
+    size: usize,
+    max_in_flight: usize,
+    in_flight: usize,
+    buffer: Vec<Pending>,
+    flush_scheduled: bool,
 }
 
 impl ConsumerActor {
@@ -68,7 +91,7 @@ impl ConsumerActor {
         channel: Channel,
         stream: Consumer,
         forwarder: AmqpPublisher,
-        dedup: Recipient<Deliver>,
+        dedup: Addr<DedupActor>,
         stats: Arc<Stats>,
     ) -> Self {
         let settler = Settler {
@@ -79,6 +102,7 @@ impl ConsumerActor {
             failure,
             stats,
         };
+        let size = usize::from(queue.batch_size);
         Self {
             settler: Arc::new(settler),
             channel,
@@ -88,6 +112,31 @@ impl ConsumerActor {
             draining: false,
             drained: Vec::new(),
             stream_ended: false,
+            batching: Batching {
+                size,
+                max_in_flight: (usize::from(queue.prefetch) / size).max(1),
+                in_flight: 0,
+                buffer: Vec::new(),
+                flush_scheduled: false,
+            },
+        }
+    }
+
+    /// Sends buffered deliveries as batches while fewer than the maximum
+    /// are running.
+    fn dispatch_batches(&mut self, ctx: &mut Context<Self>) {
+        while !self.batching.buffer.is_empty() && self.batching.in_flight < self.batching.max_in_flight {
+            let take = self.batching.buffer.len().min(self.batching.size);
+            let batch: Vec<Pending> = self.batching.buffer.drain(..take).collect();
+            self.batching.in_flight += 1;
+            let work = Arc::clone(&self.settler).settle_batch(batch);
+            ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
+                actor.batching.in_flight -= 1;
+                for _ in 0..take {
+                    actor.message_done(ctx);
+                }
+                actor.dispatch_batches(ctx);
+            }));
         }
     }
 
@@ -130,11 +179,32 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
             return;
         }
         self.in_flight += 1;
-        let work = Arc::clone(&self.settler).settle(delivery, Instant::now());
-        ctx.spawn(
-            work.into_actor(self)
-                .map(|(), actor, ctx| actor.message_done(ctx)),
-        );
+        let arrived = Instant::now();
+        if self.batching.size == 1 {
+            let work = Arc::clone(&self.settler).settle(delivery, arrived);
+            ctx.spawn(
+                work.into_actor(self)
+                    .map(|(), actor, ctx| actor.message_done(ctx)),
+            );
+            return;
+        }
+        match self.settler.prepare(delivery, arrived) {
+            Ok(pending) => {
+                self.batching.buffer.push(pending);
+                if !self.batching.flush_scheduled {
+                    // Runs once the deliveries that are ready now are buffered.
+                    self.batching.flush_scheduled = true;
+                    ctx.notify(Flush);
+                }
+            }
+            Err(malformed) => {
+                let work = Arc::clone(&self.settler).set_aside(malformed);
+                ctx.spawn(
+                    work.into_actor(self)
+                        .map(|(), actor, ctx| actor.message_done(ctx)),
+                );
+            }
+        }
     }
 
     fn finished(&mut self, ctx: &mut Context<Self>) {
@@ -147,6 +217,15 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
         if self.in_flight == 0 {
             ctx.stop();
         }
+    }
+}
+
+impl actix::Handler<Flush> for ConsumerActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Flush, ctx: &mut Context<Self>) {
+        self.batching.flush_scheduled = false;
+        self.dispatch_batches(ctx);
     }
 }
 
@@ -182,16 +261,31 @@ impl actix::Handler<Drain> for ConsumerActor {
 struct Settler {
     queue: String,
     consumer: Arc<str>,
-    dedup: Recipient<Deliver>,
+    dedup: Addr<DedupActor>,
     forwarder: AmqpPublisher,
     failure: FailureSettings,
     stats: Arc<Stats>,
 }
 
+/// A decoded delivery waiting for its outcome.
+struct Pending {
+    delivery: Delivery,
+    envelope: Arc<Envelope>,
+    history: FailureHistory,
+    arrived: Instant,
+}
+
+/// A delivery that can never be processed, and why.
+struct Malformed {
+    delivery: Delivery,
+    reason: String,
+    stage: &'static str,
+    history: FailureHistory,
+}
+
 impl Settler {
-    /// Runs one delivery through the inbox and the failure policy, and
-    /// settles it with the broker.
-    async fn settle(self: Arc<Self>, mut delivery: Delivery, arrived: Instant) {
+    /// Checks a delivery's size and decodes it.
+    fn prepare(&self, mut delivery: Delivery, arrived: Instant) -> Result<Pending, Malformed> {
         let history = FailureHistory::read(
             delivery
                 .properties
@@ -205,39 +299,79 @@ impl Settler {
                 "body is {size} bytes; failure.max_body_size is {}",
                 self.failure.max_body_size
             );
-            return self
-                .set_aside(&delivery, &delivery.data, &reason, "consumer", history)
-                .await;
+            return Err(Malformed {
+                delivery,
+                reason,
+                stage: "consumer",
+                history,
+            });
         }
-        let envelope = match Envelope::decode(
+        match Envelope::decode(
             &delivery.properties,
             &mut delivery.data,
             delivery.redelivered,
             &self.consumer,
         ) {
-            Ok(envelope) => Arc::new(envelope),
-            Err(e) => {
-                let reason = e.to_string();
-                return self
-                    .set_aside(&delivery, &delivery.data, &reason, "decode", history)
-                    .await;
+            Ok(envelope) => Ok(Pending {
+                delivery,
+                envelope: Arc::new(envelope),
+                history,
+                arrived,
+            }),
+            Err(e) => Err(Malformed {
+                delivery,
+                reason: e.to_string(),
+                stage: "decode",
+                history,
+            }),
+        }
+    }
+
+    /// Runs one delivery through the inbox and the failure policy, and
+    /// settles it with the broker.
+    async fn settle(self: Arc<Self>, delivery: Delivery, arrived: Instant) {
+        match self.prepare(delivery, arrived) {
+            Ok(pending) => self.process(pending, None).await,
+            Err(malformed) => self.set_aside(malformed).await,
+        }
+    }
+
+    /// Runs a batch through the inbox in one transaction, then settles each
+    /// delivery from its own outcome (a failed one retries alone).
+    async fn settle_batch(self: Arc<Self>, batch: Vec<Pending>) {
+        if batch.len() == 1 {
+            // Alone, it is cheaper without the batch's savepoint.
+            for pending in batch {
+                self.process(pending, None).await;
             }
+            return;
+        }
+        let deliver = DeliverBatch {
+            consumer: Arc::clone(&self.consumer),
+            envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
         };
-        let span = envelope.span.clone();
-        self.process(delivery, envelope, history, arrived)
-            .instrument(span)
-            .await
+        let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
+            let abandoned = Abandoned {
+                stage: "dedup actor".into(),
+                reason: e.to_string(),
+            };
+            vec![Outcome::Abandoned(abandoned); batch.len()]
+        });
+        let settled = batch
+            .into_iter()
+            .zip(outcomes)
+            .map(|(pending, outcome)| self.process(pending, Some(outcome)));
+        join_all(settled).await;
     }
 
     /// A malformed delivery: straight to `Q.error`, no handler ran.
-    async fn set_aside(
-        &self,
-        delivery: &Delivery,
-        body: &[u8],
-        reason: &str,
-        stage: &str,
-        history: FailureHistory,
-    ) {
+    async fn set_aside(self: Arc<Self>, malformed: Malformed) {
+        let Malformed {
+            delivery,
+            reason,
+            stage,
+            history,
+        } = malformed;
         tracing::warn!(
             queue = %self.queue,
             delivery_tag = delivery.delivery_tag,
@@ -246,89 +380,102 @@ impl Settler {
             "malformed delivery; moving it to the error queue"
         );
         self.stats.add(Counter::Rejected);
-        let fault = self.fault(reason, stage, history);
-        self.move_to(&error_queue(&self.queue), delivery, body, &fault)
+        let fault = self.fault(&reason, stage, history);
+        self.move_to(&error_queue(&self.queue), &delivery, &delivery.data, &fault)
             .await;
     }
 
-    async fn process(
-        &self,
-        delivery: Delivery,
-        envelope: Arc<Envelope>,
-        mut history: FailureHistory,
-        arrived: Instant,
-    ) {
-        let mut retry = 0;
-        let abandoned: Abandoned = loop {
-            let deliver = Deliver {
-                consumer: Arc::clone(&self.consumer),
-                envelope: Arc::clone(&envelope),
-            };
-            let outcome = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-                Outcome::Abandoned(Abandoned {
-                    stage: "dedup actor".into(),
-                    reason: e.to_string(),
-                })
-            });
-            match outcome {
-                Outcome::Completed | Outcome::Duplicate => {
-                    tracing::debug!(?outcome, "acking");
-                    ack(&delivery, &self.stats).await;
-                    self.stats.record_latency(arrived.elapsed());
-                    return;
-                }
-                Outcome::Rejected(reason) => {
-                    tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
-                    // Counted as rejected by the dedup actor.
-                    let fault = self.fault(&reason, "deserialize", history);
-                    self.move_to(&error_queue(&self.queue), &delivery, &envelope.body, &fault)
-                        .await;
-                    return;
-                }
-                Outcome::NoHandler => {
-                    let reason = format!("no handler registered for type `{}`", envelope.event_type);
-                    tracing::warn!("{reason}; moving it to the skipped queue");
-                    let fault = self.fault(&reason, "dispatch", history);
-                    self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
-                        .await;
-                    return;
-                }
-                Outcome::Abandoned(abandoned) => {
-                    history.attempts += 1;
-                    history.first_failure.get_or_insert_with(inbox::fault::now);
-                    if retry < self.failure.immediate_retries {
-                        let pause = self.failure.backoff(retry);
-                        tracing::warn!(
-                            stage = %abandoned.stage,
-                            reason = %abandoned.reason,
-                            attempts = history.attempts,
-                            "attempt failed; retrying in {pause:?}"
-                        );
-                        tokio::time::sleep(pause).await;
-                        retry += 1;
-                        continue;
+    /// Settles one message: from `first`, the outcome of an attempt already
+    /// made (in a batch), or from attempts of its own; failures go through
+    /// the immediate retries, then a retry tier or `Q.error`.
+    async fn process(&self, pending: Pending, mut first: Option<Outcome>) {
+        let Pending {
+            delivery,
+            envelope,
+            mut history,
+            arrived,
+        } = pending;
+        let span = envelope.span.clone();
+        async move {
+            let mut retry = 0;
+            let abandoned: Abandoned = loop {
+                let outcome = match first.take() {
+                    Some(outcome) => outcome,
+                    None => {
+                        let deliver = Deliver {
+                            consumer: Arc::clone(&self.consumer),
+                            envelope: Arc::clone(&envelope),
+                        };
+                        self.dedup.send(deliver).await.unwrap_or_else(|e| {
+                            Outcome::Abandoned(Abandoned {
+                                stage: "dedup actor".into(),
+                                reason: e.to_string(),
+                            })
+                        })
                     }
-                    break abandoned;
+                };
+                match outcome {
+                    Outcome::Completed | Outcome::Duplicate => {
+                        tracing::debug!(?outcome, "acking");
+                        ack(&delivery, &self.stats).await;
+                        self.stats.record_latency(arrived.elapsed());
+                        return;
+                    }
+                    Outcome::Rejected(reason) => {
+                        tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
+                        // Counted as rejected by the dedup actor.
+                        let fault = self.fault(&reason, "deserialize", history);
+                        self.move_to(&error_queue(&self.queue), &delivery, &envelope.body, &fault)
+                            .await;
+                        return;
+                    }
+                    Outcome::NoHandler => {
+                        let reason = format!("no handler registered for type `{}`", envelope.event_type);
+                        tracing::warn!("{reason}; moving it to the skipped queue");
+                        let fault = self.fault(&reason, "dispatch", history);
+                        self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
+                            .await;
+                        return;
+                    }
+                    Outcome::Abandoned(abandoned) => {
+                        history.attempts += 1;
+                        history.first_failure.get_or_insert_with(inbox::fault::now);
+                        if retry < self.failure.immediate_retries {
+                            let pause = self.failure.backoff(retry);
+                            tracing::warn!(
+                                stage = %abandoned.stage,
+                                reason = %abandoned.reason,
+                                attempts = history.attempts,
+                                "attempt failed; retrying in {pause:?}"
+                            );
+                            tokio::time::sleep(pause).await;
+                            retry += 1;
+                            continue;
+                        }
+                        break abandoned;
+                    }
                 }
+            };
+            let (to, counter) = match self.failure.destination(history.redeliveries) {
+                Destination::RetryTier(tier) => {
+                    history.redeliveries += 1;
+                    (retry_queue(&self.queue, tier), Counter::Delayed)
+                }
+                Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),
+            };
+            tracing::warn!(
+                stage = %abandoned.stage,
+                reason = %abandoned.reason,
+                attempts = history.attempts,
+                "attempts failed; moving it to {to}"
+            );
+            let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
+            if self.move_to(&to, &delivery, &envelope.body, &fault).await {
+                self.stats.add(counter);
             }
-        };
-        let (to, counter) = match self.failure.destination(history.redeliveries) {
-            Destination::RetryTier(tier) => {
-                history.redeliveries += 1;
-                (retry_queue(&self.queue, tier), Counter::Delayed)
-            }
-            Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),
-        };
-        tracing::warn!(
-            stage = %abandoned.stage,
-            reason = %abandoned.reason,
-            attempts = history.attempts,
-            "attempts failed; moving it to {to}"
-        );
-        let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
-        if self.move_to(&to, &delivery, &envelope.body, &fault).await {
-            self.stats.add(counter);
         }
+        .instrument(span)
+        .await
     }
 
     fn fault<'a>(&'a self, reason: &'a str, handler: &'a str, history: FailureHistory) -> Fault<'a> {

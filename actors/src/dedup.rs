@@ -6,8 +6,14 @@
 //! work, claims the message in the inbox, sends [`Handle`] to the
 //! [`HandlerActor`](crate::HandlerActor) of the message's type, and commits
 //! or rolls back. It replies with the message's [`Outcome`].
+//!
+//! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims
+//! the batch's messages in one go, runs each one's handlers after a
+//! savepoint of its own (a failure rolls back that message only), commits
+//! once, and replies with an [`Outcome`] per message.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +35,16 @@ pub struct Deliver {
     pub consumer: Arc<str>,
     /// The message; shared, since a failed attempt is retried with it.
     pub envelope: Arc<Envelope>,
+}
+
+/// Process several messages through the inbox in one transaction.
+#[derive(Message)]
+#[rtype(result = "Vec<Outcome>")]
+pub struct DeliverBatch {
+    /// The consumer id: the first half of the dedup key.
+    pub consumer: Arc<str>,
+    /// The messages; the reply has one outcome for each, in this order.
+    pub envelopes: Vec<Arc<Envelope>>,
 }
 
 /// What became of a [`Deliver`]ed message; the consumer settles the delivery
@@ -109,18 +125,24 @@ impl Supervised for DedupActor {
     }
 }
 
+impl DedupActor {
+    fn work(&self) -> Work {
+        Work {
+            pool: self.pool.clone(),
+            store: Arc::clone(&self.store),
+            routes: Arc::clone(&self.routes),
+            lock_timeout: self.lock_timeout,
+        }
+    }
+}
+
 impl actix::Handler<Deliver> for DedupActor {
     // Its own task per message, so up to prefetch messages are in flight
     // at once; the actor itself holds only shared, immutable state.
     type Result = ResponseFuture<Outcome>;
 
     fn handle(&mut self, msg: Deliver, _ctx: &mut Context<Self>) -> Self::Result {
-        let work = Work {
-            pool: self.pool.clone(),
-            store: Arc::clone(&self.store),
-            route: self.routes.get(&msg.envelope.event_type).cloned(),
-            lock_timeout: self.lock_timeout,
-        };
+        let work = self.work();
         let stats = Arc::clone(&self.stats);
         let span = msg.envelope.span.clone();
         Box::pin(
@@ -137,31 +159,56 @@ impl actix::Handler<Deliver> for DedupActor {
     }
 }
 
-/// What one message's processing needs, taken from the actor.
+impl actix::Handler<DeliverBatch> for DedupActor {
+    type Result = ResponseFuture<Vec<Outcome>>;
+
+    fn handle(&mut self, msg: DeliverBatch, _ctx: &mut Context<Self>) -> Self::Result {
+        let work = self.work();
+        let stats = Arc::clone(&self.stats);
+        let size = msg.envelopes.len();
+        Box::pin(
+            async move {
+                let outcomes = AssertUnwindSafe(work.process_batch(msg))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| {
+                        vec![Outcome::Abandoned(Abandoned::new("runtime", "panicked")); size]
+                    });
+                stats.add(Counter::Batches);
+                for outcome in &outcomes {
+                    record(&stats, outcome);
+                }
+                outcomes
+            }
+            .instrument(tracing::info_span!("batch", size)),
+        )
+    }
+}
+
+/// What processing needs, taken from the actor.
 struct Work {
     pool: Pool,
     store: Arc<dyn DynInboxStore>,
-    route: Option<Recipient<Handle>>,
+    routes: Arc<Routes>,
     lock_timeout: Duration,
 }
 
 impl Work {
+    async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
+        let connection = self.pool.get().await.map_err(|e| Abandoned::new("database", e))?;
+        UnitOfWork::begin(connection, self.lock_timeout)
+            .await
+            .map_err(|e| Abandoned::new("begin", e))
+    }
+
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {
-        let Some(route) = self.route else {
+        let Some(route) = self.routes.get(&envelope.event_type) else {
             return Outcome::NoHandler;
         };
-        let key = InboxKey {
-            consumer: consumer.to_string(),
-            message_id: envelope.message_id,
-            event_type: envelope.event_type.clone(),
-        };
-        let connection = match self.pool.get().await {
-            Ok(connection) => connection,
-            Err(e) => return Outcome::Abandoned(Abandoned::new("database", e)),
-        };
-        let mut uow = match UnitOfWork::begin(connection, self.lock_timeout).await {
+        let key = key(&consumer, &envelope);
+        let mut uow = match self.begin().await {
             Ok(uow) => uow,
-            Err(e) => return Outcome::Abandoned(Abandoned::new("begin", e)),
+            Err(abandoned) => return Outcome::Abandoned(abandoned),
         };
         match self.store.try_begin(&mut uow, &key).await {
             Ok(Claim::Proceed) => {}
@@ -174,7 +221,7 @@ impl Work {
                 return Outcome::Abandoned(Abandoned::new("inbox claim", e));
             }
         }
-        let failure = match route.send(Handle { envelope, uow }).await {
+        match route.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     roll_back(uow).await;
@@ -182,24 +229,162 @@ impl Work {
                 }
                 // Ack only after this: a failed COMMIT leaves the message
                 // for redelivery.
-                return match uow.commit().await {
+                match uow.commit().await {
                     Ok(()) => Outcome::Completed,
                     Err(e) => Outcome::Abandoned(Abandoned::new("commit", e)),
-                };
+                }
             }
             Ok(Handled::Failed { uow, failure }) => {
-                if let Some(mut uow) = uow {
-                    if let Err(e) = self.store.abandon(&mut uow, &key).await {
-                        tracing::warn!(error = %e, "inbox store failed to abandon the message");
-                    }
+                // Alone in its transaction, the message is rolled back whole,
+                // staged inbox record included.
+                if let Some(uow) = uow {
                     roll_back(uow).await;
                 }
-                failure
+                failure.into()
             }
             // The unit of work went down with the message: its connection
             // was discarded.
-            Err(e) => return Outcome::Abandoned(Abandoned::new("handler actor", e)),
+            Err(e) => Outcome::Abandoned(Abandoned::new("handler actor", e)),
+        }
+    }
+
+    async fn process_batch(self, DeliverBatch { consumer, envelopes }: DeliverBatch) -> Vec<Outcome> {
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
+        // The messages to claim: one per id, with a handler. A second copy of
+        // an id in the batch is a duplicate whatever becomes of the first:
+        // that one is committed, or alive on its failure path.
+        let mut first_copy = HashMap::new();
+        let mut members = Vec::new();
+        for (i, envelope) in envelopes.iter().enumerate() {
+            if !self.routes.contains_key(&envelope.event_type) {
+                outcomes[i] = Some(Outcome::NoHandler);
+            } else if let Entry::Vacant(first) = first_copy.entry(envelope.message_id) {
+                first.insert(i);
+                members.push(i);
+            } else {
+                outcomes[i] = Some(Outcome::Duplicate);
+            }
+        }
+        let keys: Vec<InboxKey> = members.iter().map(|&i| key(&consumer, &envelopes[i])).collect();
+        let abandon_all = |outcomes: &mut Vec<Option<Outcome>>, abandoned: Abandoned| {
+            for &i in &members {
+                outcomes[i].get_or_insert_with(|| Outcome::Abandoned(abandoned.clone()));
+            }
         };
+
+        if !members.is_empty() {
+            match self.run_batch(&envelopes, &members, &keys, &mut outcomes).await {
+                Ok(Some(uow)) => {
+                    if let Err(e) = uow.commit().await {
+                        // Nothing committed: every message that was to
+                        // complete goes back on its failure path.
+                        for &i in &members {
+                            if outcomes[i] == Some(Outcome::Completed) {
+                                outcomes[i] = Some(Outcome::Abandoned(Abandoned::new("commit", &e)));
+                            }
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(abandoned) => {
+                    for &i in &members {
+                        if outcomes[i] == Some(Outcome::Completed) {
+                            outcomes[i] = None;
+                        }
+                    }
+                    abandon_all(&mut outcomes, abandoned);
+                }
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Outcome::Abandoned(Abandoned::new("runtime", "no outcome"))))
+            .collect()
+    }
+
+    /// Claims the members and runs each one's handlers after its own
+    /// savepoint, writing their outcomes (`Completed` meaning "completed if
+    /// the commit succeeds"). Returns the unit of work to commit, or why the
+    /// whole batch failed (every undecided or would-be-completed member is
+    /// abandoned then).
+    async fn run_batch(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        outcomes: &mut [Option<Outcome>],
+    ) -> Result<Option<UnitOfWork>, Abandoned> {
+        let mut uow = self.begin().await?;
+        let claims = match self.store.try_begin_batch(&mut uow, keys).await {
+            Ok(claims) => claims,
+            Err(e) => {
+                roll_back(uow).await;
+                return Err(Abandoned::new("inbox claim", e));
+            }
+        };
+        for ((&i, key), claim) in members.iter().zip(keys).zip(claims) {
+            if claim == Claim::Duplicate {
+                outcomes[i] = Some(Outcome::Duplicate);
+                continue;
+            }
+            let envelope = Arc::clone(&envelopes[i]);
+            let route = self
+                .routes
+                .get(&envelope.event_type)
+                .ok_or_else(|| Abandoned::new("runtime", "route vanished"))?;
+            uow.savepoint()
+                .await
+                .map_err(|e| Abandoned::new("savepoint", e))?;
+            let failure = match route.send(Handle { envelope, uow }).await {
+                Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
+                    Ok(()) => {
+                        outcomes[i] = Some(Outcome::Completed);
+                        uow = done;
+                        continue;
+                    }
+                    Err(e) => {
+                        uow = done;
+                        Outcome::Abandoned(Abandoned::new("inbox record", e))
+                    }
+                },
+                Ok(Handled::Failed {
+                    uow: Some(failed),
+                    failure,
+                }) => {
+                    uow = failed;
+                    failure.into()
+                }
+                // A panic (or a vanished actor) took the connection with it:
+                // this message has its failure, the others start over.
+                Ok(Handled::Failed { uow: None, failure }) => {
+                    outcomes[i] = Some(failure.into());
+                    return Err(Abandoned::new("batch", "another message of the batch panicked"));
+                }
+                Err(e) => return Err(Abandoned::new("handler actor", e)),
+            };
+            // This message alone is undone; the batch goes on.
+            if let Err(e) = uow.rollback_to_savepoint().await {
+                return Err(Abandoned::new("rollback to savepoint", e));
+            }
+            if let Err(e) = self.store.abandon(&mut uow, key).await {
+                return Err(Abandoned::new("inbox abandon", e));
+            }
+            outcomes[i] = Some(failure);
+        }
+        Ok(Some(uow))
+    }
+}
+
+fn key(consumer: &str, envelope: &Envelope) -> InboxKey {
+    InboxKey {
+        consumer: consumer.to_owned(),
+        message_id: envelope.message_id,
+        event_type: envelope.event_type.clone(),
+    }
+}
+
+impl From<HandlerFailure> for Outcome {
+    fn from(failure: HandlerFailure) -> Self {
         match failure {
             HandlerFailure::Malformed(reason) => Outcome::Rejected(reason),
             HandlerFailure::Failed { handler, error } => Outcome::Abandoned(Abandoned::new(handler, error)),

@@ -29,8 +29,8 @@ mod retention;
 mod runtime;
 mod stats;
 
-pub use consumer::{ConsumerActor, Drain};
-pub use dedup::{Abandoned, DedupActor, Deliver, Outcome, Routes};
+pub use consumer::{ConsumerActor, Drain, Flush};
+pub use dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome, Routes};
 pub use handler::{Handle, Handled, HandlerActor, HandlerFailure, Restart};
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, StopSweeping, Sweep};

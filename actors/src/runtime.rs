@@ -199,7 +199,7 @@ impl Runtime {
                 channel,
                 stream,
                 inbox::AmqpPublisher::new(&connection, "").await?,
-                self.dedup.clone().recipient(),
+                self.dedup.clone(),
                 Arc::clone(&self.stats),
             );
             self.consumers.push(actor.start());

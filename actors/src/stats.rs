@@ -19,6 +19,7 @@ pub struct Stats {
     delayed: AtomicU64,
     dead_lettered: AtomicU64,
     unconfirmed_acks: AtomicU64,
+    batches: AtomicU64,
     sweeps: AtomicU64,
     sweeps_skipped: AtomicU64,
     swept_rows: AtomicU64,
@@ -49,6 +50,8 @@ pub struct StatsSnapshot {
     /// Acks or nacks the broker could not take because the channel had been
     /// recovered; those messages come back and the inbox skips them.
     pub unconfirmed_acks: u64,
+    /// Batches processed (consumers with `batch_size` above 1).
+    pub batches: u64,
     /// Retention sweeps this instance ran.
     pub sweeps: u64,
     /// Retention rounds skipped because another instance was sweeping.
@@ -70,6 +73,7 @@ pub(crate) enum Counter {
     Delayed,
     DeadLettered,
     UnconfirmedAcks,
+    Batches,
 }
 
 impl Default for Stats {
@@ -83,6 +87,7 @@ impl Default for Stats {
             delayed: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             unconfirmed_acks: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
             sweeps_skipped: AtomicU64::new(0),
             swept_rows: AtomicU64::new(0),
@@ -129,6 +134,7 @@ impl Stats {
             Counter::Delayed => &self.delayed,
             Counter::DeadLettered => &self.dead_lettered,
             Counter::UnconfirmedAcks => &self.unconfirmed_acks,
+            Counter::Batches => &self.batches,
         };
         cell.fetch_add(1, Ordering::Relaxed);
     }
@@ -157,6 +163,7 @@ impl Stats {
             delayed: read(&self.delayed),
             dead_lettered: read(&self.dead_lettered),
             unconfirmed_acks: read(&self.unconfirmed_acks),
+            batches: read(&self.batches),
             sweeps: read(&self.sweeps),
             sweeps_skipped: read(&self.sweeps_skipped),
             swept_rows: read(&self.swept_rows),

@@ -38,9 +38,11 @@ pub enum Claim {
 
 /// Records processed messages in the consumer's own database.
 ///
-/// Implement the two required methods; the three provided ones build the
-/// runtime's protocol on them (`try_begin` → handlers → `complete`, or
-/// `abandon`), so a hand-written store works as is. Every method runs inside
+/// Implement the two required methods; the provided ones build the
+/// runtime's protocol on them, so a hand-written store works as is: one
+/// message is `try_begin` → handlers → `complete` → commit (or rollback); a
+/// batch is `try_begin_batch`, then per message a savepoint → handlers →
+/// `complete` (or rollback to the savepoint → `abandon`), then one commit. Every method runs inside
 /// the message's [`UnitOfWork`]: what they write commits with the handlers'
 /// writes or not at all.
 pub trait InboxStore: Send + Sync + 'static {
@@ -64,8 +66,31 @@ pub trait InboxStore: Send + Sync + 'static {
                 return Ok(Claim::Duplicate);
             }
             self.mark_processed(uow, key).await?;
-            uow.claimed = true;
+            uow.stage(key.message_id);
             Ok(Claim::Proceed)
+        }
+    }
+
+    /// Before the handlers of a batch (distinct keys, one transaction): one
+    /// [`Claim`] per key, in order. Whatever it stages must be undone by
+    /// [`abandon`](Self::abandon) for a message that then fails alone.
+    /// Default: [`already_processed`](Self::already_processed) for each key,
+    /// staging nothing, so that [`complete`](Self::complete) records each
+    /// message inside its own savepoint.
+    fn try_begin_batch(
+        &self,
+        uow: &mut UnitOfWork,
+        keys: &[InboxKey],
+    ) -> impl Future<Output = Result<Vec<Claim>>> + Send {
+        async move {
+            let mut claims = Vec::with_capacity(keys.len());
+            for key in keys {
+                claims.push(match self.already_processed(uow, key).await? {
+                    true => Claim::Duplicate,
+                    false => Claim::Proceed,
+                });
+            }
+            Ok(claims)
         }
     }
 
@@ -74,18 +99,20 @@ pub trait InboxStore: Send + Sync + 'static {
     /// write-after-handlers fallback for callers that skipped it).
     fn complete(&self, uow: &mut UnitOfWork, key: &InboxKey) -> impl Future<Output = Result<()>> + Send {
         async move {
-            if !uow.claimed {
+            if !uow.is_staged(key.message_id) {
                 self.mark_processed(uow, key).await?;
-                uow.claimed = true;
+                uow.stage(key.message_id);
             }
             Ok(())
         }
     }
 
-    /// The handlers failed: discard what was staged. The rollback that
-    /// follows removes the row itself.
-    fn abandon(&self, uow: &mut UnitOfWork, _key: &InboxKey) -> impl Future<Output = Result<()>> + Send {
-        uow.claimed = false;
+    /// A message of a batch failed and was rolled back to its savepoint
+    /// while the batch goes on: discard what was staged for `key`, or the
+    /// batch's commit would record a message whose effects were undone. (A
+    /// message alone in its transaction is simply rolled back whole.)
+    fn abandon(&self, uow: &mut UnitOfWork, key: &InboxKey) -> impl Future<Output = Result<()>> + Send {
+        uow.unstage(key.message_id);
         std::future::ready(Ok(()))
     }
 }
@@ -95,6 +122,12 @@ pub trait InboxStore: Send + Sync + 'static {
 pub trait DynInboxStore: Send + Sync + 'static {
     /// See [`InboxStore::try_begin`].
     fn try_begin<'a>(&'a self, uow: &'a mut UnitOfWork, key: &'a InboxKey) -> BoxFuture<'a, Result<Claim>>;
+    /// See [`InboxStore::try_begin_batch`].
+    fn try_begin_batch<'a>(
+        &'a self,
+        uow: &'a mut UnitOfWork,
+        keys: &'a [InboxKey],
+    ) -> BoxFuture<'a, Result<Vec<Claim>>>;
     /// See [`InboxStore::complete`].
     fn complete<'a>(&'a self, uow: &'a mut UnitOfWork, key: &'a InboxKey) -> BoxFuture<'a, Result<()>>;
     /// See [`InboxStore::abandon`].
@@ -104,6 +137,13 @@ pub trait DynInboxStore: Send + Sync + 'static {
 impl<S: InboxStore> DynInboxStore for S {
     fn try_begin<'a>(&'a self, uow: &'a mut UnitOfWork, key: &'a InboxKey) -> BoxFuture<'a, Result<Claim>> {
         Box::pin(InboxStore::try_begin(self, uow, key))
+    }
+    fn try_begin_batch<'a>(
+        &'a self,
+        uow: &'a mut UnitOfWork,
+        keys: &'a [InboxKey],
+    ) -> BoxFuture<'a, Result<Vec<Claim>>> {
+        Box::pin(InboxStore::try_begin_batch(self, uow, keys))
     }
     fn complete<'a>(&'a self, uow: &'a mut UnitOfWork, key: &'a InboxKey) -> BoxFuture<'a, Result<()>> {
         Box::pin(InboxStore::complete(self, uow, key))

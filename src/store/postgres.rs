@@ -1,3 +1,5 @@
+use uuid::Uuid;
+
 use super::{Claim, InboxKey, InboxStore};
 use crate::error::Result;
 use crate::unit_of_work::UnitOfWork;
@@ -37,13 +39,66 @@ impl InboxStore for PgInboxStore {
 
     async fn try_begin(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<Claim> {
         if claim(uow, key).await? {
-            uow.claimed = true;
+            uow.stage(key.message_id);
             Ok(Claim::Proceed)
         } else {
             Ok(Claim::Duplicate)
         }
     }
+
+    /// The whole batch in one statement, rows inserted in key order so that
+    /// two batches claiming overlapping messages wait for each other instead
+    /// of deadlocking.
+    async fn try_begin_batch(&self, uow: &mut UnitOfWork, keys: &[InboxKey]) -> Result<Vec<Claim>> {
+        let mut sorted: Vec<&InboxKey> = keys.iter().collect();
+        sorted.sort_by(|a, b| (&a.consumer, a.message_id).cmp(&(&b.consumer, b.message_id)));
+        let consumers: Vec<&str> = sorted.iter().map(|k| k.consumer.as_str()).collect();
+        let ids: Vec<Uuid> = sorted.iter().map(|k| k.message_id).collect();
+        let types: Vec<&str> = sorted.iter().map(|k| k.event_type.as_str()).collect();
+        let client = uow.client();
+        let statement = client.prepare_cached(CLAIM_BATCH).await?;
+        let claimed: Vec<(String, Uuid)> = client
+            .query(&statement, &[&consumers, &ids, &types])
+            .await?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        let mut claims = Vec::with_capacity(keys.len());
+        for key in keys {
+            if claimed
+                .iter()
+                .any(|(c, id)| *c == key.consumer && *id == key.message_id)
+            {
+                uow.stage(key.message_id);
+                claims.push(Claim::Proceed);
+            } else {
+                claims.push(Claim::Duplicate);
+            }
+        }
+        Ok(claims)
+    }
+
+    /// Deletes the row staged for `key`: in a batch it was written before
+    /// the message's savepoint, so rolling back to that savepoint kept it.
+    async fn abandon(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<()> {
+        if uow.unstage(key.message_id) {
+            let client = uow.client();
+            let statement = client
+                .prepare_cached("DELETE FROM inbox_messages WHERE consumer = $1 AND message_id = $2")
+                .await?;
+            client
+                .execute(&statement, &[&key.consumer, &key.message_id])
+                .await?;
+        }
+        Ok(())
+    }
 }
+
+const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (consumer, message_id, event_type, processed_at) \
+                           SELECT consumer, message_id, event_type, now() \
+                           FROM unnest($1::text[], $2::uuid[], $3::text[]) AS k (consumer, message_id, event_type) \
+                           ORDER BY consumer, message_id \
+                           ON CONFLICT DO NOTHING RETURNING consumer, message_id";
 
 /// Inserts the row; `false` when it existed (committed by someone else).
 async fn claim(uow: &mut UnitOfWork, key: &InboxKey) -> Result<bool> {

@@ -208,7 +208,7 @@ async fn with_the_inbox_off_a_duplicate_runs_twice() {
 
 /// A store written against the trait's two required methods only, over a
 /// table of its own, with a plain INSERT (no ON CONFLICT).
-struct HandWrittenStore;
+pub struct HandWrittenStore;
 
 impl InboxStore for HandWrittenStore {
     async fn already_processed(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<bool> {
@@ -233,14 +233,21 @@ impl InboxStore for HandWrittenStore {
     }
 }
 
+impl HandWrittenStore {
+    /// Creates the store's table in the test's database.
+    pub async fn create_table(env: &TestEnv) {
+        env.db()
+            .await
+            .batch_execute("CREATE TABLE my_inbox (consumer text, id uuid, PRIMARY KEY (consumer, id))")
+            .await
+            .unwrap();
+    }
+}
+
 #[actix_rt::test]
 async fn a_store_with_only_the_two_required_methods_works_end_to_end() {
     let env = TestEnv::new("hand_written_store").await;
-    env.db()
-        .await
-        .batch_execute("CREATE TABLE my_inbox (consumer text, id uuid, PRIMARY KEY (consumer, id))")
-        .await
-        .unwrap();
+    HandWrittenStore::create_table(&env).await;
     let runtime = Runtime::builder(env.settings())
         .inbox_store(HandWrittenStore)
         .handler(Count)

@@ -15,6 +15,8 @@ mod failure_policy;
 mod unit_of_work;
 // Retention: old rows go in batches, one instance per database at a time.
 mod retention;
+// Batches: one transaction, a savepoint per message, one commit.
+mod batching;
 // Graceful shutdown: drain what is in flight, within the timeout.
 mod shutdown;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.

@@ -1,0 +1,247 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use inbox::lapin::options::{BasicGetOptions, BasicQosOptions};
+use inbox::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settings, UnitOfWork};
+use inbox_actors::{DeliverBatch, Outcome, Runtime};
+
+use crate::hosting::HandWrittenStore;
+use crate::support::{Count, Counted, TestEnv, amqp, increment, wait_until};
+
+/// Batches of up to 8 among 16 deliveries in flight.
+fn batching(env: &TestEnv) -> Settings {
+    let mut settings = env.settings();
+    settings.queues[0].prefetch = 16;
+    settings.queues[0].batch_size = 8;
+    settings
+}
+
+/// Declares the queue and publishes `messages` before any runtime consumes,
+/// so that deliveries are ready together and batches form.
+async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+        .await
+        .unwrap();
+    let publisher = AmqpPublisher::new(&connection, "").await.unwrap();
+    for message in messages {
+        publisher
+            .publish(&settings.queues[0].name, message)
+            .await
+            .unwrap();
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Fails its first call for `key`; otherwise counts in `second_counts`.
+struct FailsOnce {
+    key: i64,
+    calls: Arc<AtomicUsize>,
+}
+
+impl EventHandler<Counted> for FailsOnce {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err("fails once on purpose".into());
+        }
+        increment(uow, "second_counts", event.key).await
+    }
+}
+
+async fn counts(env: &TestEnv, table: &str) -> HashMap<i64, i64> {
+    let rows = env
+        .db()
+        .await
+        .query(&format!("SELECT key, n FROM {table}"), &[])
+        .await
+        .unwrap();
+    rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
+#[actix_rt::test]
+async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit() {
+    let env = TestEnv::new("batch_failing_message").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let fails_once = FailsOnce {
+        key: 5,
+        calls: Arc::clone(&calls),
+    };
+    let runtime = Runtime::builder(settings)
+        .handler(Count)
+        .handler(fails_once)
+        .start()
+        .await
+        .unwrap();
+
+    wait_until("all 16 complete", || async { runtime.stats().completed == 16 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert!(
+        stats.batches >= 1 && stats.batches < 16,
+        "no batches formed: {stats:?}"
+    );
+    assert_eq!(stats.abandoned, 1, "only the failing message failed: {stats:?}");
+    let (first, second) = (counts(&env, "counts").await, counts(&env, "second_counts").await);
+    // Count ran for key 5 before FailsOnce failed; had that write survived
+    // the savepoint rollback, key 5 would read 2.
+    assert_eq!(first.len(), 16);
+    assert!(first.values().all(|&n| n == 1), "{first:?}");
+    assert_eq!(second.len(), 16);
+    assert!(second.values().all(|&n| n == 1), "{second:?}");
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 16);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_duplicate_inside_a_batch_runs_once() {
+    let env = TestEnv::new("batch_duplicate").await;
+    let settings = batching(&env);
+    let repeated = Message::new(Counted { key: 100 });
+    let others: Vec<_> = (0..5).map(|key| Message::new(Counted { key })).collect();
+    let mut order = vec![&repeated, &repeated];
+    order.extend(others.iter());
+    order.push(&repeated);
+    prefill(&settings, &order).await;
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+
+    wait_until("all eight copies are settled", || async {
+        let s = runtime.stats();
+        s.completed + s.duplicates == 8
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!((stats.completed, stats.duplicates), (6, 2));
+    assert!(stats.batches >= 1, "{stats:?}");
+    assert_eq!(env.count("counts", 100).await, 1);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn duplicates_in_flight_in_batches_of_two_runtimes_run_once() {
+    let env = TestEnv::new("batch_two_runtimes").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..200).map(|key| Message::new(Counted { key })).collect();
+    // Each message three times, the copies interleaved differently.
+    let mut order: Vec<&Message<Counted>> = Vec::new();
+    for round in 0..3 {
+        order.extend(
+            messages
+                .iter()
+                .skip(round * 11 % 200)
+                .chain(messages.iter().take(round * 11 % 200)),
+        );
+    }
+    prefill(&settings, &order).await;
+    let first = Runtime::builder(settings.clone())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let second = Runtime::builder(settings).handler(Count).start().await.unwrap();
+
+    wait_until("all 600 copies are settled", || async {
+        let (a, b) = (first.stats(), second.stats());
+        a.completed + a.duplicates + b.completed + b.duplicates == 600
+    })
+    .await;
+    let (a, b) = (first.stats(), second.stats());
+    first.shutdown().await;
+    second.shutdown().await;
+
+    assert_eq!(a.completed + b.completed, 200, "{a:?} {b:?}");
+    let counts = counts(&env, "counts").await;
+    assert_eq!(counts.len(), 200);
+    assert!(
+        counts.values().all(|&n| n == 1),
+        "an id took effect twice: {counts:?}"
+    );
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery() {
+    let env = TestEnv::new("batch_commit_then_crash").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..5).map(|key| Message::new(Counted { key })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    // Another consumer takes all five before the runtime starts...
+    let crashing = amqp().await;
+    let channel = crashing.create_channel().await.unwrap();
+    channel.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+    let mut envelopes = Vec::new();
+    for _ in 0..5 {
+        let taken = channel
+            .basic_get(env.queue.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("a message")
+            .delivery;
+        let mut body = taken.data.clone();
+        let envelope = Envelope::decode(&taken.properties, &mut body, false, &env.queue).unwrap();
+        envelopes.push(Arc::new(envelope));
+    }
+    // ...runs them through the inbox as one batch, which commits...
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let outcomes = runtime
+        .dedup()
+        .send(DeliverBatch {
+            consumer: env.queue.as_str().into(),
+            envelopes,
+        })
+        .await
+        .unwrap();
+    assert_eq!(outcomes, vec![Outcome::Completed; 5]);
+    // ...and "crashes" before acking any of them.
+    crashing.close(320, "crash".into()).await.unwrap();
+
+    wait_until("the redeliveries are skipped", || async {
+        runtime.stats().duplicates == 5
+    })
+    .await;
+    runtime.shutdown().await;
+    let counts = counts(&env, "counts").await;
+    assert_eq!(counts.len(), 5);
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_store_with_only_the_required_methods_works_in_batches() {
+    let env = TestEnv::new("batch_hand_written_store").await;
+    HandWrittenStore::create_table(&env).await;
+    let settings = batching(&env);
+    let repeated = Message::new(Counted { key: 1 });
+    let failing = Message::new(Counted { key: 2 });
+    let other = Message::new(Counted { key: 3 });
+    prefill(&settings, &[&repeated, &failing, &repeated, &other, &repeated]).await;
+    let fails_once = FailsOnce {
+        key: 2,
+        calls: Arc::new(AtomicUsize::new(0)),
+    };
+    let runtime = Runtime::builder(settings)
+        .inbox_store(HandWrittenStore)
+        .handler(fails_once)
+        .start()
+        .await
+        .unwrap();
+
+    wait_until("every copy is settled", || async {
+        let s = runtime.stats();
+        s.completed == 3 && s.duplicates == 2
+    })
+    .await;
+    runtime.shutdown().await;
+
+    let counts = counts(&env, "second_counts").await;
+    assert_eq!(counts, HashMap::from([(1, 1), (2, 1), (3, 1)]));
+    assert_eq!(env.scalar("SELECT count(*) FROM my_inbox").await, 3);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
