@@ -285,7 +285,7 @@ struct Malformed {
 
 impl Settler {
     /// Checks a delivery's size and decodes it.
-    fn prepare(&self, mut delivery: Delivery, arrived: Instant) -> Result<Pending, Malformed> {
+    fn prepare(&self, mut delivery: Delivery, arrived: Instant) -> Result<Pending, Box<Malformed>> {
         let history = FailureHistory::read(
             delivery
                 .properties
@@ -299,12 +299,12 @@ impl Settler {
                 "body is {size} bytes; failure.max_body_size is {}",
                 self.failure.max_body_size
             );
-            return Err(Malformed {
+            return Err(Box::new(Malformed {
                 delivery,
                 reason,
                 stage: "consumer",
                 history,
-            });
+            }));
         }
         match Envelope::decode(
             &delivery.properties,
@@ -318,12 +318,12 @@ impl Settler {
                 history,
                 arrived,
             }),
-            Err(e) => Err(Malformed {
+            Err(e) => Err(Box::new(Malformed {
                 delivery,
                 reason: e.to_string(),
                 stage: "decode",
                 history,
-            }),
+            })),
         }
     }
 
@@ -365,13 +365,13 @@ impl Settler {
     }
 
     /// A malformed delivery: straight to `Q.error`, no handler ran.
-    async fn set_aside(self: Arc<Self>, malformed: Malformed) {
+    async fn set_aside(self: Arc<Self>, malformed: Box<Malformed>) {
         let Malformed {
             delivery,
             reason,
             stage,
             history,
-        } = malformed;
+        } = *malformed;
         tracing::warn!(
             queue = %self.queue,
             delivery_tag = delivery.delivery_tag,
