@@ -27,7 +27,7 @@ pub enum Error {
     Config(#[from] config::ConfigError),
 
     /// A PostgreSQL statement failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", describe(.0))]
     Database(#[from] tokio_postgres::Error),
 
     /// No connection could be taken from the pool.
@@ -84,6 +84,25 @@ pub enum Error {
     },
 }
 
+/// An error with its sources, on one line: tokio-postgres says only
+/// `db error` and keeps PostgreSQL's message (`deadlock detected`, with its
+/// SQLSTATE) in the source, which is what logs and fault headers need.
+pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let more = match cause.downcast_ref::<tokio_postgres::error::DbError>() {
+            Some(db) => format!("{} ({})", db.message(), db.code().code()),
+            None => cause.to_string(),
+        };
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
 impl Error {
     pub(crate) fn setting(key: &str, reason: impl Into<String>) -> Self {
         Error::Setting {
@@ -121,4 +140,21 @@ pub(crate) fn is_transient_state(state: &SqlState) -> bool {
         SqlState::QUERY_CANCELED,            // 57014: statement_timeout or cancel
     ]
     .contains(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("handler failed")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn describe_walks_the_sources_once_each() {
+        let error = Outer(std::io::Error::other("disk on fire"));
+        assert_eq!(describe(&error), "handler failed: disk on fire");
+        let plain = std::io::Error::other("just this");
+        assert_eq!(describe(&plain), "just this");
+    }
 }

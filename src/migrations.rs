@@ -22,6 +22,9 @@ const LOCK_KEY: i64 = 0x0069_6e62_6f78;
 /// restart, no schema work.
 pub async fn run_migrations(client: &mut tokio_postgres::Client) -> Result<()> {
     let tx = client.transaction().await?;
+    // Wait as long as another instance takes to migrate: the pool's
+    // connections carry database.lock_timeout, meant for messages.
+    tx.batch_execute("SET LOCAL lock_timeout = 0").await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await?;
     tx.batch_execute(

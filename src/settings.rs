@@ -374,7 +374,8 @@ impl Settings {
     }
 
     /// The PostgreSQL connection settings: `database.url` with
-    /// `database.name` and `database.connect_timeout` applied.
+    /// `database.name`, `database.connect_timeout` and, for every session,
+    /// `database.lock_timeout` applied.
     pub fn pg_config(&self) -> Result<tokio_postgres::Config> {
         let db = &self.database;
         let mut config: tokio_postgres::Config = db
@@ -385,6 +386,14 @@ impl Settings {
             config.dbname(name);
         }
         config.connect_timeout(db.connect_timeout);
+        // A session setting rather than SET LOCAL in every transaction: one
+        // statement less per message.
+        let lock_timeout = format!("-c lock_timeout={}", db.lock_timeout.as_millis().max(1));
+        let options = match config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {lock_timeout}"),
+            _ => lock_timeout,
+        };
+        config.options(&options);
         Ok(config)
     }
 
@@ -728,5 +737,17 @@ mod tests {
         let mut settings = Settings::default();
         settings.database.name = Some("orders".into());
         assert_eq!(settings.pg_config().unwrap().get_dbname(), Some("orders"));
+    }
+
+    #[test]
+    fn lock_timeout_joins_the_urls_own_session_options() {
+        let mut settings = Settings::default();
+        settings.database.url = "postgres://u@h/db?options=-c%20search_path%3Dapp".into();
+        settings.database.lock_timeout = Duration::from_millis(1500);
+        let config = settings.pg_config().unwrap();
+        assert_eq!(
+            config.get_options(),
+            Some("-c search_path=app -c lock_timeout=1500")
+        );
     }
 }

@@ -1,8 +1,6 @@
 //! The unit of work: one message's transaction, owned, and never returned to
 //! the pool unfinished.
 
-use std::time::Duration;
-
 use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
@@ -37,9 +35,10 @@ pub struct UnitOfWork {
 }
 
 impl UnitOfWork {
-    /// Opens a transaction on `connection`. Lock waits inside it, the inbox
-    /// claim's above all, give up after `lock_timeout`.
-    pub async fn begin(connection: Object, lock_timeout: Duration) -> Result<Self> {
+    /// Opens a transaction on `connection`. On a connection from
+    /// [`create_pool`](crate::create_pool), lock waits inside it (the inbox
+    /// claim's above all) give up after `database.lock_timeout`.
+    pub async fn begin(connection: Object) -> Result<Self> {
         // Armed before BEGIN is sent: if this future is dropped mid-flight,
         // Drop discards the connection rather than risk pooling an open
         // transaction.
@@ -49,12 +48,7 @@ impl UnitOfWork {
             staged: Vec::new(),
             in_savepoint: false,
         };
-        // One round trip for both; SET LOCAL ends with the transaction.
-        let begin = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
-            lock_timeout.as_millis().max(1)
-        );
-        uow.client().batch_execute(&begin).await?;
+        uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
     }
 

@@ -16,12 +16,12 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::deadpool_postgres::Pool;
 use inbox::{Claim, DynInboxStore, Envelope, InboxKey, UnitOfWork};
+use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 use crate::handler::{Handle, Handled, HandlerFailure};
@@ -92,25 +92,23 @@ pub struct DedupActor {
     pool: Pool,
     store: Arc<dyn DynInboxStore>,
     routes: Arc<Routes>,
-    lock_timeout: Duration,
     stats: Arc<Stats>,
+    /// Per consumer, one batch at a time runs its handlers; the next may
+    /// claim, and start once the previous one is committing. Two batches both taking row
+    /// locks would deadlock on any rows they share in opposite order; one
+    /// that only commits takes no new lock, so the other merely waits.
+    batch_lanes: HashMap<Arc<str>, Arc<Semaphore>>,
 }
 
 impl DedupActor {
     /// An actor over `pool` and `store`, dispatching to `routes`.
-    pub fn new(
-        pool: Pool,
-        store: Arc<dyn DynInboxStore>,
-        routes: Routes,
-        lock_timeout: Duration,
-        stats: Arc<Stats>,
-    ) -> Self {
+    pub fn new(pool: Pool, store: Arc<dyn DynInboxStore>, routes: Routes, stats: Arc<Stats>) -> Self {
         Self {
             pool,
             store,
             routes: Arc::new(routes),
-            lock_timeout,
             stats,
+            batch_lanes: HashMap::new(),
         }
     }
 }
@@ -131,7 +129,6 @@ impl DedupActor {
             pool: self.pool.clone(),
             store: Arc::clone(&self.store),
             routes: Arc::clone(&self.routes),
-            lock_timeout: self.lock_timeout,
         }
     }
 }
@@ -166,9 +163,14 @@ impl actix::Handler<DeliverBatch> for DedupActor {
         let work = self.work();
         let stats = Arc::clone(&self.stats);
         let size = msg.envelopes.len();
+        let lane = Arc::clone(
+            self.batch_lanes
+                .entry(Arc::clone(&msg.consumer))
+                .or_insert_with(|| Arc::new(Semaphore::new(1))),
+        );
         Box::pin(
             async move {
-                let outcomes = AssertUnwindSafe(work.process_batch(msg))
+                let outcomes = AssertUnwindSafe(work.process_batch(msg, &lane))
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|_| {
@@ -190,13 +192,12 @@ struct Work {
     pool: Pool,
     store: Arc<dyn DynInboxStore>,
     routes: Arc<Routes>,
-    lock_timeout: Duration,
 }
 
 impl Work {
     async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
         let connection = self.pool.get().await.map_err(|e| Abandoned::new("database", e))?;
-        UnitOfWork::begin(connection, self.lock_timeout)
+        UnitOfWork::begin(connection)
             .await
             .map_err(|e| Abandoned::new("begin", e))
     }
@@ -248,7 +249,11 @@ impl Work {
         }
     }
 
-    async fn process_batch(self, DeliverBatch { consumer, envelopes }: DeliverBatch) -> Vec<Outcome> {
+    async fn process_batch(
+        self,
+        DeliverBatch { consumer, envelopes }: DeliverBatch,
+        lane: &Semaphore,
+    ) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
         // The messages to claim: one per id, with a handler. A second copy of
         // an id in the batch is a duplicate whatever becomes of the first:
@@ -273,8 +278,11 @@ impl Work {
         };
 
         if !members.is_empty() {
-            match self.run_batch(&envelopes, &members, &keys, &mut outcomes).await {
-                Ok(Some(uow)) => {
+            match self
+                .run_batch(&envelopes, &members, &keys, &mut outcomes, lane)
+                .await
+            {
+                Ok(uow) => {
                     if let Err(e) = uow.commit().await {
                         // Nothing committed: every message that was to
                         // complete goes back on its failure path.
@@ -285,7 +293,6 @@ impl Work {
                         }
                     }
                 }
-                Ok(None) => {}
                 Err(abandoned) => {
                     for &i in &members {
                         if outcomes[i] == Some(Outcome::Completed) {
@@ -313,7 +320,8 @@ impl Work {
         members: &[usize],
         keys: &[InboxKey],
         outcomes: &mut [Option<Outcome>],
-    ) -> Result<Option<UnitOfWork>, Abandoned> {
+        lane: &Semaphore,
+    ) -> Result<UnitOfWork, Abandoned> {
         let mut uow = self.begin().await?;
         let claims = match self.store.try_begin_batch(&mut uow, keys).await {
             Ok(claims) => claims,
@@ -322,6 +330,13 @@ impl Work {
                 return Err(Abandoned::new("inbox claim", e));
             }
         };
+        // Held while the handlers run, released before the commit. The
+        // claim may run outside: it locks only inbox rows, which no handler
+        // waits for.
+        let _running = lane
+            .acquire()
+            .await
+            .map_err(|e| Abandoned::new("batch lane", e))?;
         for ((&i, key), claim) in members.iter().zip(keys).zip(claims) {
             if claim == Claim::Duplicate {
                 outcomes[i] = Some(Outcome::Duplicate);
@@ -371,7 +386,7 @@ impl Work {
             }
             outcomes[i] = Some(failure);
         }
-        Ok(Some(uow))
+        Ok(uow)
     }
 }
 

@@ -140,7 +140,7 @@ async fn run_handlers<E: IntegrationEvent>(
             Ok(Err(error)) => {
                 let failure = HandlerFailure::Failed {
                     handler: name,
-                    error: error.to_string(),
+                    error: inbox::describe(error.as_ref()),
                 };
                 return Handled::Failed {
                     uow: Some(uow),

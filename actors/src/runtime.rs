@@ -108,8 +108,7 @@ impl RuntimeBuilder {
         let stats = Arc::new(Stats::default());
         let dedup = {
             let (pool, stats) = (pool.clone(), Arc::clone(&stats));
-            let lock_timeout = settings.database.lock_timeout;
-            Supervisor::start(move |_| DedupActor::new(pool, store, routes, lock_timeout, stats))
+            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats))
         };
 
         // Rows of an enabled period stay while the inbox is off: nothing

@@ -5,8 +5,6 @@ use inbox::{Settings, UnitOfWork};
 
 use crate::support::TestEnv;
 
-const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// A pool of one connection, so the next checkout gets whatever the last
 /// user left behind.
 fn pool_of_one(settings: &Settings) -> Pool {
@@ -39,9 +37,7 @@ async fn next_connection_state(pool: &Pool) -> (bool, i32) {
 
 /// A unit of work from `pool` that has written a row at `key` of `counts`.
 async fn begin_with_a_write(pool: &Pool, key: i64) -> UnitOfWork {
-    let uow = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT)
-        .await
-        .unwrap();
+    let uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
     uow.client()
         .execute("INSERT INTO counts VALUES ($1, 1)", &[&key])
         .await
@@ -84,7 +80,7 @@ async fn a_begin_cancelled_in_flight_never_pools_a_transaction() {
     let pool = pool_of_one(&env.settings());
     for _ in 0..20 {
         // Polled once (BEGIN handed to the connection), then dropped.
-        let begin = UnitOfWork::begin(pool.get().await.unwrap(), LOCK_TIMEOUT);
+        let begin = UnitOfWork::begin(pool.get().await.unwrap());
         let _ = tokio::time::timeout(Duration::ZERO, begin).await;
         let (in_transaction, _) = next_connection_state(&pool).await;
         assert!(
