@@ -103,7 +103,48 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// Whether `error` (or one of its sources) says the database could not be
+/// reached, rather than that it refused a statement: a closed or broken
+/// connection, a failed connect, a server shutting down (SQLSTATE class 08,
+/// 57P01-57P03). Such a failure says nothing about the message, so the
+/// runtime waits for the database instead of spending the message's
+/// attempts.
+pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    use deadpool_postgres::{PoolError, TimeoutType};
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
+            if pg.is_closed() {
+                return true;
+            }
+            if let Some(state) = pg.code() {
+                let code = state.code();
+                return code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code);
+            }
+        }
+        if let Some(pool) = e.downcast_ref::<PoolError>() {
+            match pool {
+                PoolError::Backend(_) | PoolError::Timeout(TimeoutType::Create | TimeoutType::Recycle) => {
+                    return true;
+                }
+                PoolError::PostCreateHook(_) => return true,
+                _ => {}
+            }
+        }
+        if e.is::<std::io::Error>() {
+            return true;
+        }
+        current = e.source();
+    }
+    false
+}
+
 impl Error {
+    /// See [`is_unavailable`].
+    pub fn is_unavailable(&self) -> bool {
+        is_unavailable(self)
+    }
+
     pub(crate) fn setting(key: &str, reason: impl Into<String>) -> Self {
         Error::Setting {
             key: key.to_owned(),
@@ -149,6 +190,20 @@ mod tests {
     #[derive(Debug, thiserror::Error)]
     #[error("handler failed")]
     struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn unavailability_is_read_from_the_source_chain() {
+        let refused = Outer(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(is_unavailable(&refused));
+        assert!(!is_unavailable(&std::fmt::Error));
+        assert!(
+            Error::Pool(deadpool_postgres::PoolError::Timeout(
+                deadpool_postgres::TimeoutType::Create
+            ))
+            .is_unavailable()
+        );
+        assert!(!Error::Pool(deadpool_postgres::PoolError::Closed).is_unavailable());
+    }
 
     #[test]
     fn describe_walks_the_sources_once_each() {

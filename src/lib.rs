@@ -40,7 +40,7 @@ pub mod amqp;
 pub use amqp::AmqpPublisher;
 pub use db::create_pool;
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
-pub use error::{Error, HandlerError, Result, describe};
+pub use error::{Error, HandlerError, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;

@@ -7,6 +7,9 @@
 //! then settles the delivery from the [`Outcome`]:
 //!
 //! - completed or duplicate: ack;
+//! - abandoned because the database is unreachable: held until it answers
+//!   again (the runtime's database gate probes it), spending
+//!   none of the message's attempts;
 //! - abandoned: retried in process (`failure.immediate_retries`), then
 //!   moved to the next retry tier `Q.retry.<n>`, or to `Q.error` after the
 //!   last one;
@@ -40,6 +43,7 @@ use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use crate::availability::DatabaseGate;
 use crate::dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome};
 use crate::stats::{Counter, Stats};
 
@@ -85,7 +89,8 @@ impl ConsumerActor {
     /// An actor over a started lapin `stream` of `queue` on `channel`.
     /// `forwarder` publishes (with confirms, to the default exchange) the
     /// copies moved to the retry tiers, `Q.error` and `Q.skipped`.
-    pub fn new(
+    #[allow(clippy::too_many_arguments)] // the runtime wires it, field by field
+    pub(crate) fn new(
         queue: &QueueSettings,
         failure: FailureSettings,
         channel: Channel,
@@ -93,6 +98,7 @@ impl ConsumerActor {
         forwarder: AmqpPublisher,
         dedup: Addr<DedupActor>,
         stats: Arc<Stats>,
+        database: Arc<DatabaseGate>,
     ) -> Self {
         let settler = Settler {
             queue: queue.name.clone(),
@@ -101,6 +107,7 @@ impl ConsumerActor {
             forwarder,
             failure,
             stats,
+            database,
         };
         let size = usize::from(queue.batch_size);
         Self {
@@ -265,6 +272,7 @@ struct Settler {
     forwarder: AmqpPublisher,
     failure: FailureSettings,
     stats: Arc<Stats>,
+    database: Arc<DatabaseGate>,
 }
 
 /// A decoded delivery waiting for its outcome.
@@ -351,10 +359,7 @@ impl Settler {
             envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
         };
         let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-            let abandoned = Abandoned {
-                stage: "dedup actor".into(),
-                reason: e.to_string(),
-            };
+            let abandoned = Abandoned::new("dedup actor", e);
             vec![Outcome::Abandoned(abandoned); batch.len()]
         });
         let settled = batch
@@ -406,12 +411,10 @@ impl Settler {
                             consumer: Arc::clone(&self.consumer),
                             envelope: Arc::clone(&envelope),
                         };
-                        self.dedup.send(deliver).await.unwrap_or_else(|e| {
-                            Outcome::Abandoned(Abandoned {
-                                stage: "dedup actor".into(),
-                                reason: e.to_string(),
-                            })
-                        })
+                        self.dedup
+                            .send(deliver)
+                            .await
+                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new("dedup actor", e)))
                     }
                 };
                 match outcome {
@@ -436,6 +439,14 @@ impl Settler {
                         self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
                             .await;
                         return;
+                    }
+                    Outcome::Abandoned(abandoned) if abandoned.unavailable => {
+                        // Not the message's fault: hold it (unacked, so the
+                        // prefetch stops further deliveries) until the
+                        // database answers, and spend none of its attempts.
+                        tracing::debug!(reason = %abandoned.reason, "database unavailable; holding the message");
+                        self.database.wait_until_available(&abandoned.reason).await;
+                        continue;
                     }
                     Outcome::Abandoned(abandoned) => {
                         history.attempts += 1;

@@ -73,13 +73,28 @@ pub struct Abandoned {
     pub stage: String,
     /// The error, as text.
     pub reason: String,
+    /// The database could not be reached: the message itself may be fine,
+    /// so the consumer waits for the database instead of spending one of
+    /// its attempts.
+    pub unavailable: bool,
 }
 
 impl Abandoned {
-    fn new(stage: impl Into<String>, reason: impl ToString) -> Self {
+    /// A failure that is not the database's absence.
+    pub(crate) fn new(stage: impl Into<String>, reason: impl ToString) -> Self {
         Self {
             stage: stage.into(),
             reason: reason.to_string(),
+            unavailable: false,
+        }
+    }
+
+    /// A failure of the runtime's own database work, classified.
+    fn database(stage: &str, error: &inbox::Error) -> Self {
+        Self {
+            stage: stage.to_owned(),
+            reason: error.to_string(),
+            unavailable: error.is_unavailable(),
         }
     }
 }
@@ -196,10 +211,14 @@ struct Work {
 
 impl Work {
     async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
-        let connection = self.pool.get().await.map_err(|e| Abandoned::new("database", e))?;
+        let connection = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| Abandoned::database("database", &e.into()))?;
         UnitOfWork::begin(connection)
             .await
-            .map_err(|e| Abandoned::new("begin", e))
+            .map_err(|e| Abandoned::database("begin", &e))
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {
@@ -219,20 +238,20 @@ impl Work {
             }
             Err(e) => {
                 roll_back(uow).await;
-                return Outcome::Abandoned(Abandoned::new("inbox claim", e));
+                return Outcome::Abandoned(Abandoned::database("inbox claim", &e));
             }
         }
         match route.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     roll_back(uow).await;
-                    return Outcome::Abandoned(Abandoned::new("inbox record", e));
+                    return Outcome::Abandoned(Abandoned::database("inbox record", &e));
                 }
                 // Ack only after this: a failed COMMIT leaves the message
                 // for redelivery.
                 match uow.commit().await {
                     Ok(()) => Outcome::Completed,
-                    Err(e) => Outcome::Abandoned(Abandoned::new("commit", e)),
+                    Err(e) => Outcome::Abandoned(Abandoned::database("commit", &e)),
                 }
             }
             Ok(Handled::Failed { uow, failure }) => {
@@ -288,7 +307,7 @@ impl Work {
                         // complete goes back on its failure path.
                         for &i in &members {
                             if outcomes[i] == Some(Outcome::Completed) {
-                                outcomes[i] = Some(Outcome::Abandoned(Abandoned::new("commit", &e)));
+                                outcomes[i] = Some(Outcome::Abandoned(Abandoned::database("commit", &e)));
                             }
                         }
                     }
@@ -327,7 +346,7 @@ impl Work {
             Ok(claims) => claims,
             Err(e) => {
                 roll_back(uow).await;
-                return Err(Abandoned::new("inbox claim", e));
+                return Err(Abandoned::database("inbox claim", &e));
             }
         };
         // Held while the handlers run, released before the commit. The
@@ -349,7 +368,7 @@ impl Work {
                 .ok_or_else(|| Abandoned::new("runtime", "route vanished"))?;
             uow.savepoint()
                 .await
-                .map_err(|e| Abandoned::new("savepoint", e))?;
+                .map_err(|e| Abandoned::database("savepoint", &e))?;
             let failure = match route.send(Handle { envelope, uow }).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
@@ -359,7 +378,7 @@ impl Work {
                     }
                     Err(e) => {
                         uow = done;
-                        Outcome::Abandoned(Abandoned::new("inbox record", e))
+                        Outcome::Abandoned(Abandoned::database("inbox record", &e))
                     }
                 },
                 Ok(Handled::Failed {
@@ -379,10 +398,10 @@ impl Work {
             };
             // This message alone is undone; the batch goes on.
             if let Err(e) = uow.rollback_to_savepoint().await {
-                return Err(Abandoned::new("rollback to savepoint", e));
+                return Err(Abandoned::database("rollback to savepoint", &e));
             }
             if let Err(e) = self.store.abandon(&mut uow, key).await {
-                return Err(Abandoned::new("inbox abandon", e));
+                return Err(Abandoned::database("inbox abandon", &e));
             }
             outcomes[i] = Some(failure);
         }
@@ -402,7 +421,15 @@ impl From<HandlerFailure> for Outcome {
     fn from(failure: HandlerFailure) -> Self {
         match failure {
             HandlerFailure::Malformed(reason) => Outcome::Rejected(reason),
-            HandlerFailure::Failed { handler, error } => Outcome::Abandoned(Abandoned::new(handler, error)),
+            HandlerFailure::Failed {
+                handler,
+                error,
+                unavailable,
+            } => Outcome::Abandoned(Abandoned {
+                stage: handler.to_owned(),
+                reason: error,
+                unavailable,
+            }),
             HandlerFailure::Panicked { handler, message } => {
                 Outcome::Abandoned(Abandoned::new(handler, format!("panicked: {message}")))
             }

@@ -51,6 +51,9 @@ pub enum HandlerFailure {
         handler: &'static str,
         /// Its error, as text.
         error: String,
+        /// The error says the database could not be reached
+        /// ([`inbox::is_unavailable`]).
+        unavailable: bool,
     },
     /// A handler panicked.
     Panicked {
@@ -141,6 +144,7 @@ async fn run_handlers<E: IntegrationEvent>(
                 let failure = HandlerFailure::Failed {
                     handler: name,
                     error: inbox::describe(error.as_ref()),
+                    unavailable: inbox::is_unavailable(error.as_ref()),
                 };
                 return Handled::Failed {
                     uow: Some(uow),

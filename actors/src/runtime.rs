@@ -15,6 +15,7 @@ use inbox::{
     PgInboxStore, Provider, Result, Settings, amqp,
 };
 
+use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Drain};
 use crate::dedup::{DedupActor, Routes};
 use crate::handler::HandlerActor;
@@ -177,6 +178,7 @@ impl Runtime {
         self.publisher = Publisher::Amqp(
             inbox::AmqpPublisher::new(&connection, self.settings.message_bus.exchange.clone()).await?,
         );
+        let database = Arc::new(DatabaseGate::new(self.pool.clone()));
         for queue in &self.settings.queues {
             // A channel per queue, so each has its own prefetch.
             let channel = connection.create_channel().await?;
@@ -200,6 +202,7 @@ impl Runtime {
                 inbox::AmqpPublisher::new(&connection, "").await?,
                 self.dedup.clone(),
                 Arc::clone(&self.stats),
+                Arc::clone(&database),
             );
             self.consumers.push(actor.start());
         }

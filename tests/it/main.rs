@@ -1,6 +1,7 @@
 //! Integration tests, against the real PostgreSQL and RabbitMQ on loopback.
 //! One binary, so the crates link once.
 
+mod proxy;
 mod support;
 
 // Redeliveries are skipped: duplicates, ten publishes, two runtimes, a crash between commit and ack.
@@ -17,6 +18,8 @@ mod unit_of_work;
 mod retention;
 // Batches: one transaction, a savepoint per message, one commit.
 mod batching;
+// Faults: a database outage pauses consumption and loses nothing.
+mod faults;
 // Graceful shutdown: drain what is in flight, within the timeout.
 mod shutdown;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.

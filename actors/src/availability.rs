@@ -1,0 +1,68 @@
+//! Waiting out a database outage.
+//!
+//! When the database cannot be reached, every message in flight fails the
+//! same way, and none of them is to blame. The consumers hold such messages
+//! (unacked: the prefetch then keeps the broker from sending more, so
+//! consumption pauses) and wait here until the database answers again. One
+//! waiter at a time probes it, with a growing pause; the outage is logged
+//! once when it starts and once when it ends, not once per message.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use inbox::deadpool_postgres::Pool;
+use tokio::sync::Mutex;
+
+/// The first pause between probes; doubled up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// Shared by a runtime's consumers.
+pub(crate) struct DatabaseGate {
+    pool: Pool,
+    /// Held by the waiter that probes; the others queue behind it.
+    probing: Mutex<()>,
+    /// An outage has been logged and not yet its end.
+    down: AtomicBool,
+}
+
+impl DatabaseGate {
+    pub(crate) fn new(pool: Pool) -> Self {
+        Self {
+            pool,
+            probing: Mutex::new(()),
+            down: AtomicBool::new(false),
+        }
+    }
+
+    /// Returns once a connection from the pool answers a query. `reason` is
+    /// the failure that sent the caller here, for the log.
+    pub(crate) async fn wait_until_available(&self, reason: &str) {
+        let _probing = self.probing.lock().await;
+        if self.probe().await {
+            return;
+        }
+        if !self.down.swap(true, Ordering::SeqCst) {
+            tracing::warn!(%reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
+        }
+        let started = Instant::now();
+        let mut pause = FIRST_PAUSE;
+        loop {
+            tokio::time::sleep(pause).await;
+            if self.probe().await {
+                break;
+            }
+            pause = (pause * 2).min(MAX_PAUSE);
+        }
+        if self.down.swap(false, Ordering::SeqCst) {
+            tracing::warn!(after = ?started.elapsed(), "database available again: resuming");
+        }
+    }
+
+    async fn probe(&self) -> bool {
+        match self.pool.get().await {
+            Ok(connection) => connection.simple_query("SELECT 1").await.is_ok(),
+            Err(_) => false,
+        }
+    }
+}

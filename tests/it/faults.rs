@@ -1,0 +1,64 @@
+use std::time::Duration;
+
+use inbox::Message;
+use inbox_actors::Runtime;
+
+use crate::proxy::Proxy;
+use crate::support::{Count, Counted, TestEnv, wait_until};
+
+#[actix_rt::test]
+async fn a_database_outage_pauses_consumption_and_loses_nothing() {
+    let env = TestEnv::new("database_outage").await;
+    let mut settings = env.settings();
+    // The runtime reaches PostgreSQL through a proxy this test can cut.
+    let real = settings.pg_config().unwrap();
+    let port = real.get_ports().first().copied().unwrap_or(5432);
+    let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
+    let user = real.get_user().unwrap_or("postgres");
+    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/postgres", proxy.port);
+    settings.database.connect_timeout = Duration::from_secs(1);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let publisher = runtime.publisher().clone();
+    for key in 0..20 {
+        publisher
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the first 20 complete", || async {
+        runtime.stats().completed == 20
+    })
+    .await;
+
+    proxy.cut();
+    for key in 20..60 {
+        publisher
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    // An outage is an absence of progress: watch it for a while.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = runtime.stats();
+    assert_eq!(during.completed, 20, "nothing completes without the database");
+    assert_eq!(
+        (during.delayed, during.dead_lettered),
+        (0, 0),
+        "the outage burned retry tiers: {during:?}"
+    );
+    assert!(
+        during.abandoned <= 16,
+        "more failed attempts than messages in flight: {during:?}"
+    );
+
+    proxy.restore();
+    wait_until("all 60 complete once the database is back", || async {
+        runtime.stats().completed == 60
+    })
+    .await;
+    runtime.shutdown().await;
+    for key in 0..60 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
