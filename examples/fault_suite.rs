@@ -1,0 +1,581 @@
+//! The fault suite: runs the check-in service while breaking everything
+//! around it, then checks that nothing was lost and nothing applied twice.
+//!
+//! ```text
+//! cargo run --example fault_suite            # or: tests/fault_suite.sh
+//! ```
+//!
+//! It starts `examples/checkin_service` (built beside this binary) on a
+//! fresh queue and database, publishes 5,000 check-ins (20% re-using an id)
+//! plus malformed deliveries and events with a negative attendee id (which
+//! the service refuses), and while they are consumed: SIGKILLs the service
+//! at random moments (restarting it each time), force-closes its AMQP
+//! connection, restarts PostgreSQL and restarts the RabbitMQ application.
+//! Then it stops the service with SIGTERM (which must exit 0) and checks the
+//! database and the queues. It prints one line and fails unless `lost=0`,
+//! `duplicated=0` and every other check holds.
+//!
+//! It restarts the machine's PostgreSQL and RabbitMQ: run it where nothing
+//! else uses them. Honours `DATABASE_URL` (a server, whose `postgres`
+//! database it connects to) and `AMQP_URL`.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{AttendeeCheckedIn, XorShift};
+use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use inbox::lapin::types::FieldTable;
+use inbox::lapin::{BasicProperties, Connection};
+use inbox::{AmqpPublisher, Error, Message, QueueSettings, Result, Settings, amqp};
+
+const DATABASE: &str = "inbox_faults";
+const EVENTS: usize = 5000;
+const DUP_RATIO: f64 = 0.2;
+const FAILING: usize = 20;
+const KILLS: usize = 5;
+/// Fast failure path, so failing events reach the error queue in seconds.
+const DELAYS: &str = "1s,2s";
+/// The whole run's bound; past it the suite fails.
+const DEADLINE: Duration = Duration::from_secs(240);
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("fault_suite: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn fail(what: impl Into<String>) -> Error {
+    Error::Runtime(what.into())
+}
+
+/// What was published, to check against.
+#[derive(Default)]
+struct Published {
+    /// Every publish, duplicates included.
+    count: usize,
+    /// Unique well-formed events with a positive attendee id.
+    good: HashMap<inbox::uuid::Uuid, AttendeeCheckedIn>,
+    /// Events the service refuses (negative attendee id).
+    failing: HashSet<inbox::uuid::Uuid>,
+    /// Markers of the malformed deliveries, found in their bodies.
+    malformed: HashSet<String>,
+}
+
+struct Suite {
+    started: Instant,
+    settings: Settings,
+    queue: String,
+    service: std::path::PathBuf,
+    database_url: String,
+    kills: usize,
+    db_restarts: usize,
+    broker_restarts: usize,
+}
+
+async fn run() -> Result<bool> {
+    let started = Instant::now();
+    let mut settings = common::settings()?;
+    let queue = format!("faults.checkin.{}", inbox::uuid::Uuid::now_v7());
+    settings.queues = vec![QueueSettings::new(&queue)];
+    settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
+    settings.database.name = Some(DATABASE.into());
+    let service = std::env::current_exe()
+        .map_err(|e| fail(format!("where am I: {e}")))?
+        .with_file_name("checkin_service");
+    if !service.exists() {
+        return Err(fail(format!(
+            "{} is missing: cargo build --example checkin_service",
+            service.display()
+        )));
+    }
+    let server = settings.pg_config()?;
+    let database_url = format!(
+        "postgres://{}@{}:{}/{DATABASE}",
+        server.get_user().unwrap_or("postgres"),
+        "127.0.0.1",
+        server.get_ports().first().copied().unwrap_or(5432)
+    );
+    recreate_database(&settings).await?;
+
+    let mut suite = Suite {
+        started,
+        settings,
+        queue,
+        service,
+        database_url,
+        kills: 0,
+        db_restarts: 0,
+        broker_restarts: 0,
+    };
+    let mut child = suite.start_service()?;
+    wait_for_queue(&suite.settings, &suite.queue).await?;
+
+    // Publish in the background, a little at a time, while the faults happen.
+    let publishing = {
+        let (settings, queue) = (suite.settings.clone(), suite.queue.clone());
+        tokio::spawn(async move { publish_all(&settings, &queue).await })
+    };
+    let mut random = XorShift(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(7, |d| d.as_nanos() as u64)
+            | 1,
+    );
+    let pause = |random: &mut XorShift| Duration::from_millis(500 + random.below(1500));
+    for round in 0..KILLS {
+        tokio::time::sleep(pause(&mut random)).await;
+        child = suite.kill_and_restart(child)?;
+        tokio::time::sleep(pause(&mut random)).await;
+        match round {
+            0 => suite.close_service_connections()?,
+            1 => suite.restart_postgres()?,
+            2 => suite.restart_rabbitmq()?,
+            _ => {}
+        }
+    }
+    let published = publishing
+        .await
+        .map_err(|e| fail(format!("the publisher died: {e}")))??;
+    suite.say(&format!(
+        "published {} ({} unique good)",
+        published.count,
+        published.good.len()
+    ));
+
+    // Let it finish, then stop it as an operator would.
+    wait_until_settled(&suite, &published, started, &mut child).await?;
+    suite.say("settled; stopping the service with SIGTERM");
+    let status = stop_service(child)?;
+    let ok_exit = status == Some(0);
+    if !ok_exit {
+        eprintln!("fault_suite: SIGTERM exit status {status:?}, expected 0");
+    }
+    check(&suite, &published, ok_exit).await
+}
+
+impl Suite {
+    /// A progress line, with the time since the start.
+    fn say(&self, what: &str) {
+        eprintln!(
+            "fault_suite: [{:5.1}s] {what}",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+
+    fn start_service(&self) -> Result<Child> {
+        Command::new(&self.service)
+            .args(["--queue", &self.queue])
+            .env("DATABASE_URL", &self.database_url)
+            .env("AMQP_URL", &self.settings.message_bus.amqp_url)
+            .env("INBOX__FAILURE__DELAYS", DELAYS)
+            .env("INBOX__FAILURE__IMMEDIATE_RETRIES", "1")
+            .env("INBOX__RUNTIME__SHUTDOWN_TIMEOUT", "10s")
+            .env("RUST_LOG", "warn")
+            .stdout(self.service_log()?)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| fail(format!("cannot start {}: {e}", self.service.display())))
+    }
+
+    /// The service's log (it logs to stdout), appended to across restarts;
+    /// read it when a check fails.
+    fn service_log(&self) -> Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join("inbox-fault-suite-service.log"))
+            .map_err(|e| fail(format!("service log: {e}")))
+    }
+
+    /// SIGKILL (what `Child::kill` sends on Unix), then a fresh process.
+    fn kill_and_restart(&mut self, mut child: Child) -> Result<Child> {
+        child.kill().map_err(|e| fail(format!("kill: {e}")))?;
+        let _ = child.wait();
+        self.kills += 1;
+        self.say(&format!("SIGKILL {}", self.kills));
+        self.start_service()
+    }
+
+    fn close_service_connections(&self) -> Result<()> {
+        let listing = sh("rabbitmqctl list_connections -q pid client_properties")?;
+        let mut closed = 0;
+        for line in listing.lines().filter(|l| l.contains("inbox faults.checkin")) {
+            if let Some(pid) = line.split_whitespace().next() {
+                sh(&format!("rabbitmqctl close_connection '{pid}' 'fault suite'"))?;
+                closed += 1;
+            }
+        }
+        self.say(&format!("force-closed {closed} AMQP connection(s)"));
+        Ok(())
+    }
+
+    fn restart_postgres(&mut self) -> Result<()> {
+        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart")?;
+        self.db_restarts += 1;
+        self.say("restarted PostgreSQL");
+        Ok(())
+    }
+
+    fn restart_rabbitmq(&mut self) -> Result<()> {
+        sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup")?;
+        self.broker_restarts += 1;
+        self.say("restarted RabbitMQ");
+        Ok(())
+    }
+}
+
+fn sh(command: &str) -> Result<String> {
+    let output = Command::new("sh")
+        .args(["-c", command])
+        .output()
+        .map_err(|e| fail(format!("{command}: {e}")))?;
+    if !output.status.success() {
+        return Err(fail(format!(
+            "{command}: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// SIGTERM, and the exit code once it has drained.
+fn stop_service(child: Child) -> Result<Option<i32>> {
+    sh(&format!("kill -TERM {}", child.id()))?;
+    let output = child.wait_with_output().map_err(|e| fail(format!("wait: {e}")))?;
+    Ok(output.status.code())
+}
+
+async fn recreate_database(settings: &Settings) -> Result<()> {
+    let mut admin = settings.clone();
+    admin.database.name = None;
+    let pool = inbox::create_pool(&admin)?;
+    let client = pool.get().await?;
+    client
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+        .await?;
+    client
+        .batch_execute(&format!("CREATE DATABASE {DATABASE}"))
+        .await?;
+    Ok(())
+}
+
+/// The service declares its queues at start; publishing waits for that.
+async fn wait_for_queue(settings: &Settings, queue: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if ready(settings, queue).await.is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(fail("the service did not declare its queue in 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn connect(settings: &Settings) -> Result<Connection> {
+    Ok(Connection::connect(&settings.message_bus.amqp_url, Default::default()).await?)
+}
+
+/// Messages ready in `queue`.
+async fn ready(settings: &Settings, queue: &str) -> Result<u32> {
+    let connection = connect(settings).await?;
+    let channel = connection.create_channel().await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let count = channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await?
+        .message_count();
+    let _ = connection.close(200, "done".into()).await;
+    Ok(count)
+}
+
+/// Publishes the workload, riding through broker restarts: a publish that
+/// fails is repeated (a duplicate at worst, which the inbox absorbs).
+async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
+    let mut random = XorShift(0x5eed_cafe_f00d_0001);
+    let mut published = Published::default();
+    let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::new();
+    let mut publisher: Option<(Connection, AmqpPublisher)> = None;
+    let total = EVENTS + FAILING + 6;
+    for i in 0..total {
+        let item = if i % (EVENTS / FAILING) == 7 && published.failing.len() < FAILING {
+            let message = Message::new(AttendeeCheckedIn {
+                attendee_id: -1 - random.below(100) as i64,
+                session_id: 1 + random.below(10) as i64,
+            });
+            published.failing.insert(message.id);
+            Item::Event(message)
+        } else if i % (EVENTS / 6) == 3 && published.malformed.len() < 6 {
+            let marker = format!("malformed-{}", published.malformed.len());
+            published.malformed.insert(marker.clone());
+            Item::Malformed(Box::new(malformed(published.malformed.len() - 1, &marker)))
+        } else if !sent.is_empty() && random.chance(DUP_RATIO) {
+            Item::Event(sent[random.below(sent.len() as u64) as usize].clone())
+        } else {
+            let message = Message::new(AttendeeCheckedIn {
+                attendee_id: 1 + random.below(1000) as i64,
+                session_id: 1 + random.below(20) as i64,
+            });
+            published.good.insert(message.id, message.event.clone());
+            sent.push(message.clone());
+            Item::Event(message)
+        };
+        // Until the broker confirms it.
+        loop {
+            if publisher.is_none() {
+                match connect(settings).await {
+                    Ok(connection) => match AmqpPublisher::new(&connection, "").await {
+                        Ok(p) => publisher = Some((connection, p)),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    },
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+                continue;
+            }
+            let Some((_, p)) = &publisher else { continue };
+            let result = match &item {
+                Item::Event(message) => p.publish(queue, message).await,
+                Item::Malformed(raw) => p.publish_raw(queue, raw.0.clone(), &raw.1).await,
+            };
+            match result {
+                Ok(()) => break,
+                Err(_) => {
+                    publisher = None;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        published.count += 1;
+        // About 5,000 in 12 s: the faults land while messages flow.
+        if i % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(120)).await;
+        }
+    }
+    if let Some((connection, _)) = publisher {
+        let _ = connection.close(200, "done".into()).await;
+    }
+    Ok(published)
+}
+
+enum Item {
+    Event(Message<AttendeeCheckedIn>),
+    Malformed(Box<(BasicProperties, Vec<u8>)>),
+}
+
+/// Six kinds of broken delivery, each carrying `marker` in its body.
+fn malformed(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
+    let id = inbox::uuid::Uuid::now_v7().to_string();
+    let json = BasicProperties::default().with_content_type("application/json".into());
+    let body = format!(r#"{{"marker": "{marker}"}}"#).into_bytes();
+    match kind {
+        0 => (json.with_type("AttendeeCheckedIn".into()), body),
+        1 => (
+            json.with_message_id("not-a-uuid".into())
+                .with_type("AttendeeCheckedIn".into()),
+            body,
+        ),
+        2 => (json.with_message_id(id.as_str().into()), body),
+        3 => (
+            json.with_message_id(id.as_str().into())
+                .with_type("AttendeeCheckedIn".into()),
+            body,
+        ),
+        4 => (
+            BasicProperties::default()
+                .with_content_type("text/plain".into())
+                .with_message_id(id.as_str().into())
+                .with_type("AttendeeCheckedIn".into()),
+            body,
+        ),
+        _ => (
+            json.with_message_id(id.as_str().into())
+                .with_type("AttendeeCheckedIn".into()),
+            format!(r#"{{"attendee_id": "{marker}", "session_id": 1}}"#).into_bytes(),
+        ),
+    }
+}
+
+/// Waits until the main and retry queues are empty and the error queue
+/// holds every failing and malformed message; the service dying on its own
+/// is a failure.
+async fn wait_until_settled(
+    suite: &Suite,
+    published: &Published,
+    started: Instant,
+    child: &mut Child,
+) -> Result<()> {
+    let expected_errors = (published.failing.len() + published.malformed.len()) as u32;
+    let mut last_report = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(fail(format!("the service exited on its own ({status})")));
+        }
+        let mut busy = ready(&suite.settings, &suite.queue).await?;
+        for tier in 1..=suite.settings.failure.delays.len() {
+            busy += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
+        }
+        let errors = ready(&suite.settings, &amqp::error_queue(&suite.queue)).await?;
+        if last_report.elapsed() > Duration::from_secs(10) {
+            suite.say(&format!(
+                "settling: {busy} waiting, {errors} of {expected_errors} in the error queue"
+            ));
+            last_report = Instant::now();
+        }
+        if busy == 0 && errors >= expected_errors {
+            // Settled as far as the broker shows; unacked ones would show
+            // after the service stops, and the checks count them.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return Ok(());
+        }
+        if started.elapsed() > DEADLINE {
+            return Err(fail(format!(
+                "not settled after {DEADLINE:?}: {busy} waiting, {errors} of {expected_errors} in the error queue"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bool> {
+    let pool = inbox::create_pool(&suite.settings)?;
+    let db = pool.get().await?;
+    let inbox_ids: HashSet<inbox::uuid::Uuid> = db
+        .query(
+            "SELECT message_id FROM inbox_messages WHERE consumer = $1",
+            &[&suite.queue],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let checkins: HashMap<i64, i64> = db
+        .query("SELECT attendee_id, checkins FROM attendee_checkins", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let attendance: HashMap<i64, i64> = db
+        .query("SELECT session_id, attendees FROM session_attendance", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    // What the unique good events must have added up to.
+    let mut want_checkins: HashMap<i64, i64> = HashMap::new();
+    let mut want_attendance: HashMap<i64, i64> = HashMap::new();
+    for event in published.good.values() {
+        *want_checkins.entry(event.attendee_id).or_default() += 1;
+        *want_attendance.entry(event.session_id).or_default() += 1;
+    }
+    let (mut lost, mut duplicated) = (0i64, 0i64);
+    for key in want_checkins
+        .keys()
+        .chain(checkins.keys())
+        .collect::<HashSet<_>>()
+    {
+        let diff = checkins.get(key).copied().unwrap_or(0) - want_checkins.get(key).copied().unwrap_or(0);
+        if diff > 0 {
+            duplicated += diff;
+        } else {
+            lost -= diff;
+        }
+    }
+    let effects: i64 = checkins.values().sum();
+    let attendance_agrees = attendance == want_attendance;
+    let good_ids: HashSet<_> = published.good.keys().copied().collect();
+    let rows_match = inbox_ids == good_ids;
+
+    // The error queue: every failing event and every malformed delivery.
+    let connection = connect(&suite.settings).await?;
+    let channel = connection.create_channel().await?;
+    let error_queue = amqp::error_queue(&suite.queue);
+    let (mut in_error, mut error_ids, mut markers) = (0u32, HashSet::new(), HashSet::new());
+    while let Some(message) = channel
+        .basic_get(error_queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await?
+    {
+        in_error += 1;
+        let delivery = message.delivery;
+        if let Some(id) = delivery.properties.message_id()
+            && let Ok(id) = inbox::uuid::Uuid::try_parse(id.as_str())
+        {
+            error_ids.insert(id);
+        }
+        let body = String::from_utf8_lossy(&delivery.data);
+        if let Some(marker) = published.malformed.iter().find(|m| body.contains(m.as_str())) {
+            markers.insert(marker.clone());
+        }
+    }
+    let failing_in_error = published.failing.iter().all(|id| error_ids.contains(id));
+    let malformed_in_error = markers == published.malformed;
+    let mut waiting = ready(&suite.settings, &suite.queue).await?;
+    for tier in 1..=suite.settings.failure.delays.len() {
+        waiting += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
+    }
+
+    println!(
+        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error}",
+        suite.kills,
+        suite.db_restarts,
+        suite.broker_restarts,
+        published.count,
+        published.good.len(),
+    );
+    let checks = [
+        (lost == 0, "no effect lost"),
+        (duplicated == 0, "no effect applied twice"),
+        (attendance_agrees, "session_attendance agrees"),
+        (
+            rows_match,
+            "every inbox row has its effects and every effect its row",
+        ),
+        (failing_in_error, "every failing event is in the error queue"),
+        (
+            malformed_in_error,
+            "every malformed delivery is in the error queue",
+        ),
+        (waiting == 0, "the main and retry queues are empty"),
+        (ok_exit, "SIGTERM drained and exited 0"),
+        (
+            suite.kills >= KILLS && suite.db_restarts == 1 && suite.broker_restarts == 1,
+            "every fault happened",
+        ),
+    ];
+    let mut all = true;
+    for (ok, what) in checks {
+        if !ok {
+            eprintln!("fault_suite: FAILED: {what}");
+            all = false;
+        }
+    }
+    // Clean up what this run created.
+    for name in [
+        suite.queue.clone(),
+        amqp::retry_queue(&suite.queue, 1),
+        amqp::retry_queue(&suite.queue, 2),
+        error_queue,
+        amqp::skipped_queue(&suite.queue),
+    ] {
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = connection.close(200, "done".into()).await;
+    drop(db);
+    pool.close();
+    Ok(all)
+}

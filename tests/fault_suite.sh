@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The fault suite (README: "Guarantees under failure"): runs the check-in
+# service while SIGKILLing it, force-closing its AMQP connection and
+# restarting PostgreSQL and RabbitMQ, then checks that nothing was lost or
+# applied twice. It restarts this machine's PostgreSQL and RabbitMQ: run it
+# where nothing else uses them. A few minutes at most.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --quiet --example checkin_service --example fault_suite
+exec timeout 300 target/debug/examples/fault_suite
