@@ -25,21 +25,30 @@
 //! A move publishes the copy, with its [fault headers](inbox::fault), and
 //! waits for the broker's confirm before acking the original: a crash in
 //! between leaves a duplicate for the inbox to skip, never a loss.
-//! Receives [`Drain`] at shutdown: stops consuming and waits for the
-//! messages in flight.
+//! Receives [`Drain`] at shutdown: stops consuming, waits for the
+//! messages in flight and closes its connection; and [`Disconnect`] when
+//! the shutdown timeout is up: closes it at once.
+//!
+//! The queue has a connection of its own. lapin's recovery replays it after
+//! a network fault or a broker restart; if the consumer ends all the same
+//! (recovery gave up, the queue was deleted), the actor reconnects with a
+//! growing pause, declares the topology again and consumes anew.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures_util::future::join_all;
+use inbox::amqp;
 use inbox::amqp::{error_queue, retry_queue, skipped_queue};
 use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
-use inbox::lapin::types::ShortString;
-use inbox::lapin::{Channel, Consumer};
-use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings, QueueSettings};
+use inbox::lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
+use inbox::lapin::types::{FieldTable, ShortString};
+use inbox::lapin::{Channel, Connection, Consumer};
+use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings, QueueSettings, Settings};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -57,6 +66,12 @@ const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
 #[rtype(result = "()")]
 pub struct Drain;
 
+/// Close the connection now, whatever is still in flight (shutdown past its
+/// timeout): unacked messages go back to the queue.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Disconnect;
+
 /// Send the buffered deliveries as batches (sent to itself once the
 /// deliveries that were ready together have all been buffered).
 #[derive(Message)]
@@ -66,6 +81,11 @@ pub struct Flush;
 /// Consumes one queue.
 pub struct ConsumerActor {
     settler: Arc<Settler>,
+    /// What reconnecting needs: the broker's address and the topology.
+    settings: Settings,
+    queue: QueueSettings,
+    /// The queue's own connection, so that it can reconnect on its own.
+    connection: Arc<Connection>,
     channel: Channel,
     tag: ShortString,
     stream: Option<Consumer>,
@@ -85,17 +105,54 @@ struct Batching {
     flush_scheduled: bool,
 }
 
+/// A queue's link to the broker: a connection of its own, the consuming
+/// channel and its stream, and a confirming channel for moving messages to
+/// the retry tiers, `Q.error` and `Q.skipped`.
+pub(crate) struct Link {
+    connection: Arc<Connection>,
+    channel: Channel,
+    stream: Consumer,
+    forwarder: AmqpPublisher,
+}
+
+impl Link {
+    /// Connects, declares the queue's topology, sets its prefetch and starts
+    /// consuming.
+    pub(crate) async fn open(settings: &Settings, queue: &QueueSettings) -> inbox::Result<Self> {
+        let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
+        let channel = connection.create_channel().await?;
+        amqp::declare_topology(&channel, queue, &settings.failure).await?;
+        channel
+            .basic_qos(queue.prefetch, BasicQosOptions { global: false })
+            .await?;
+        let stream = channel
+            .basic_consume(
+                queue.name.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let forwarder = AmqpPublisher::new(&connection, "").await?;
+        Ok(Self {
+            connection: Arc::new(connection),
+            channel,
+            stream,
+            forwarder,
+        })
+    }
+}
+
+/// The first pause before reconnecting; doubled up to [`MAX_RECONNECT_PAUSE`].
+const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(100);
+const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(30);
+
 impl ConsumerActor {
-    /// An actor over a started lapin `stream` of `queue` on `channel`.
-    /// `forwarder` publishes (with confirms, to the default exchange) the
-    /// copies moved to the retry tiers, `Q.error` and `Q.skipped`.
-    #[allow(clippy::too_many_arguments)] // the runtime wires it, field by field
+    /// An actor consuming `queue` over `link`.
     pub(crate) fn new(
+        settings: &Settings,
         queue: &QueueSettings,
-        failure: FailureSettings,
-        channel: Channel,
-        stream: Consumer,
-        forwarder: AmqpPublisher,
+        link: Link,
         dedup: Addr<DedupActor>,
         stats: Arc<Stats>,
         database: Arc<DatabaseGate>,
@@ -104,17 +161,20 @@ impl ConsumerActor {
             queue: queue.name.clone(),
             consumer: queue.consumer_id().into(),
             dedup,
-            forwarder,
-            failure,
+            forwarder: link.forwarder,
+            failure: settings.failure.clone(),
             stats,
             database,
         };
         let size = usize::from(queue.batch_size);
         Self {
             settler: Arc::new(settler),
-            channel,
-            tag: stream.tag(),
-            stream: Some(stream),
+            settings: settings.clone(),
+            queue: queue.clone(),
+            connection: link.connection,
+            channel: link.channel,
+            tag: link.stream.tag(),
+            stream: Some(link.stream),
             in_flight: 0,
             draining: false,
             drained: Vec::new(),
@@ -216,7 +276,11 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
 
     fn finished(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
-            tracing::error!(queue = %self.settler.queue, "the broker ended the consumer; this queue is no longer consumed");
+            // lapin's own recovery gave up, or the broker cancelled the
+            // consumer (the queue was deleted): start over.
+            tracing::warn!(queue = %self.queue.name, "the broker ended the consumer; reconnecting");
+            self.reconnect(ctx);
+            return;
         }
         // Stopping now would cancel the messages in flight before their
         // acks: stop once the last one is settled.
@@ -227,12 +291,68 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
     }
 }
 
+impl ConsumerActor {
+    /// Opens a new link with a growing pause between tries, then consumes
+    /// from it. Messages still in flight on the old link settle there as
+    /// they can; an ack that no longer reaches the broker means a
+    /// redelivery, which the inbox skips.
+    fn reconnect(&mut self, ctx: &mut Context<Self>) {
+        let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
+        let opening = async move {
+            let _ = old.close(320, "reconnecting".into()).await;
+            let mut pause = FIRST_RECONNECT_PAUSE;
+            loop {
+                match Link::open(&settings, &queue).await {
+                    Ok(link) => return link,
+                    Err(e) => {
+                        tracing::warn!(queue = %queue.name, error = %e, "reconnecting failed; trying again in {pause:?}");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(MAX_RECONNECT_PAUSE);
+                    }
+                }
+            }
+        };
+        ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
+            if actor.draining {
+                // Shut down meanwhile: nothing more to consume.
+                actix_rt::spawn(async move {
+                    let _ = link.connection.close(200, "shutdown".into()).await;
+                });
+                return;
+            }
+            actor.connection = link.connection;
+            actor.channel = link.channel;
+            actor.tag = link.stream.tag();
+            let settler = Settler {
+                forwarder: link.forwarder,
+                ..(*actor.settler).clone()
+            };
+            actor.settler = Arc::new(settler);
+            ctx.add_stream(link.stream);
+            tracing::info!(queue = %actor.queue.name, "consuming again");
+        }));
+    }
+}
+
 impl actix::Handler<Flush> for ConsumerActor {
     type Result = ();
 
     fn handle(&mut self, _: Flush, ctx: &mut Context<Self>) {
         self.batching.flush_scheduled = false;
         self.dispatch_batches(ctx);
+    }
+}
+
+impl actix::Handler<Disconnect> for ConsumerActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Disconnect, _ctx: &mut Context<Self>) -> Self::Result {
+        self.draining = true;
+        let connection = Arc::clone(&self.connection);
+        Box::pin(async move {
+            // Already closed after a drain that finished in time: fine.
+            let _ = connection.close(200, "shutdown".into()).await;
+        })
     }
 }
 
@@ -247,9 +367,8 @@ impl actix::Handler<Drain> for ConsumerActor {
         } else {
             self.drained.push(done);
         }
-        let channel = self.channel.clone();
-        let tag = self.tag.clone();
-        let queue = self.settler.queue.clone();
+        let (connection, channel, tag) = (self.connection.clone(), self.channel.clone(), self.tag.clone());
+        let queue = self.queue.name.clone();
         let in_flight = self.in_flight;
         Box::pin(
             async move {
@@ -258,6 +377,11 @@ impl actix::Handler<Drain> for ConsumerActor {
                 }
                 tracing::info!(%queue, in_flight, "stopped consuming; waiting for messages in flight");
                 let _ = drained.await;
+                // Whatever is left unacked (deliveries not started) goes back
+                // to the queue with the connection.
+                if let Err(e) = connection.close(200, "shutdown".into()).await {
+                    tracing::debug!(%queue, error = %e, "closing the connection failed");
+                }
             }
             .into_actor(self),
         )
@@ -265,6 +389,7 @@ impl actix::Handler<Drain> for ConsumerActor {
 }
 
 /// What settling a delivery needs; shared by the queue's messages in flight.
+#[derive(Clone)]
 struct Settler {
     queue: String,
     consumer: Arc<str>,

@@ -30,7 +30,7 @@ mod retention;
 mod runtime;
 mod stats;
 
-pub use consumer::{ConsumerActor, Drain, Flush};
+pub use consumer::{ConsumerActor, Disconnect, Drain, Flush};
 pub use dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome, Routes};
 pub use handler::{Handle, Handled, HandlerActor, HandlerFailure, Restart};
 pub use publisher::Publisher;

@@ -8,15 +8,13 @@ use std::sync::Arc;
 use actix::prelude::*;
 use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
-use inbox::lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use inbox::lapin::types::FieldTable;
 use inbox::{
     DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
     PgInboxStore, Provider, Result, Settings, amqp,
 };
 
 use crate::availability::DatabaseGate;
-use crate::consumer::{ConsumerActor, Drain};
+use crate::consumer::{ConsumerActor, Disconnect, Drain, Link};
 use crate::dedup::{DedupActor, Routes};
 use crate::handler::HandlerActor;
 use crate::publisher::Publisher;
@@ -170,43 +168,25 @@ impl Runtime {
     }
 
     async fn start_consuming(&mut self) -> Result<()> {
-        let name = match self.settings.queues.first() {
-            Some(queue) => format!("inbox {}", queue.name),
-            None => "inbox publisher".to_owned(),
-        };
-        let connection = amqp::connect(&self.settings, &name).await?;
+        // Publishing has a connection of its own; each queue has another.
+        let connection = amqp::connect(&self.settings, "inbox publisher").await?;
         self.publisher = Publisher::Amqp(
             inbox::AmqpPublisher::new(&connection, self.settings.message_bus.exchange.clone()).await?,
         );
+        self.connection = Some(connection);
         let database = Arc::new(DatabaseGate::new(self.pool.clone()));
         for queue in &self.settings.queues {
-            // A channel per queue, so each has its own prefetch.
-            let channel = connection.create_channel().await?;
-            amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
-            channel
-                .basic_qos(queue.prefetch, BasicQosOptions { global: false })
-                .await?;
-            let stream = channel
-                .basic_consume(
-                    queue.name.as_str().into(),
-                    "".into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await?;
+            let link = Link::open(&self.settings, queue).await?;
             let actor = ConsumerActor::new(
+                &self.settings,
                 queue,
-                self.settings.failure.clone(),
-                channel,
-                stream,
-                inbox::AmqpPublisher::new(&connection, "").await?,
+                link,
                 self.dedup.clone(),
                 Arc::clone(&self.stats),
                 Arc::clone(&database),
             );
             self.consumers.push(actor.start());
         }
-        self.connection = Some(connection);
         Ok(())
     }
 
@@ -260,7 +240,7 @@ impl Runtime {
 
     /// Stops consuming, lets the messages in flight finish (at most
     /// `runtime.shutdown_timeout`; what does not finish is redelivered
-    /// later), then closes the broker connection and the pool.
+    /// later), then closes the broker connections and the pool.
     pub async fn shutdown(self) {
         let drains = join_all(self.consumers.iter().map(|consumer| consumer.send(Drain)));
         let timeout = self.settings.runtime.shutdown_timeout;
@@ -270,6 +250,7 @@ impl Runtime {
                 "messages still in flight at the shutdown timeout; they will be redelivered"
             );
         }
+        join_all(self.consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
         if let Some(retention) = &self.retention {
             let _ = retention.send(StopSweeping).await;
         }

@@ -62,3 +62,60 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     }
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+#[actix_rt::test]
+async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
+    let env = TestEnv::new("consumer_ended").await;
+    let runtime = Runtime::builder(env.settings())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let publisher = runtime.publisher().clone();
+    for key in 0..5 {
+        publisher
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the first 5 complete", || async {
+        runtime.stats().completed == 5
+    })
+    .await;
+
+    // Someone deletes the queue: the broker cancels the consumer.
+    let connection = crate::support::amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_delete(env.queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    // The consumer declares its topology again: the queue comes back, and
+    // what is published to it is consumed.
+    wait_until("the queue is declared again", || async {
+        let passive = inbox::lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let probe = connection.create_channel().await.unwrap();
+        probe
+            .queue_declare(env.queue.as_str().into(), passive, Default::default())
+            .await
+            .is_ok()
+    })
+    .await;
+    for key in 5..10 {
+        publisher
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the next 5 complete", || async {
+        runtime.stats().completed == 10
+    })
+    .await;
+    runtime.shutdown().await;
+    for key in 0..10 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+}

@@ -18,7 +18,7 @@ mod unit_of_work;
 mod retention;
 // Batches: one transaction, a savepoint per message, one commit.
 mod batching;
-// Faults: a database outage pauses consumption and loses nothing.
+// Faults: a database outage pauses consumption; an ended consumer reconnects.
 mod faults;
 // Graceful shutdown: drain what is in flight, within the timeout.
 mod shutdown;
