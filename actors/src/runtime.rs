@@ -145,6 +145,34 @@ impl RuntimeBuilder {
 
 /// A started runtime. Keep it for as long as the service runs; end it with
 /// [`shutdown`](Self::shutdown) or [`run_until_signal`](Self::run_until_signal).
+///
+/// ```no_run
+/// use inbox::{EventHandler, HandlerError, IntegrationEvent, Settings, UnitOfWork};
+/// use inbox_actors::Runtime;
+///
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct OrderPlaced { order_id: i64 }
+///
+/// impl IntegrationEvent for OrderPlaced {
+///     const TYPE: &'static str = "OrderPlaced";
+/// }
+///
+/// struct RecordOrder;
+///
+/// impl EventHandler<OrderPlaced> for RecordOrder {
+///     async fn handle(&self, event: &OrderPlaced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+///         uow.client().execute("INSERT INTO orders (id) VALUES ($1)", &[&event.order_id]).await?;
+///         Ok(())
+///     }
+/// }
+///
+/// #[actix::main]
+/// async fn main() -> inbox::Result<()> {
+///     let settings = Settings::load()?;
+///     let runtime = Runtime::builder(settings).handler(RecordOrder).start().await?;
+///     runtime.run_until_signal().await
+/// }
+/// ```
 pub struct Runtime {
     settings: Settings,
     pool: Pool,
