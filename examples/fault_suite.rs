@@ -104,7 +104,7 @@ async fn run() -> Result<bool> {
         "127.0.0.1",
         server.get_ports().first().copied().unwrap_or(5432)
     );
-    recreate_database(&settings).await?;
+    common::recreate_database(&settings, DATABASE).await?;
 
     let mut suite = Suite {
         started,
@@ -252,20 +252,6 @@ fn stop_service(child: Child) -> Result<Option<i32>> {
     sh(&format!("kill -TERM {}", child.id()))?;
     let output = child.wait_with_output().map_err(|e| fail(format!("wait: {e}")))?;
     Ok(output.status.code())
-}
-
-async fn recreate_database(settings: &Settings) -> Result<()> {
-    let mut admin = settings.clone();
-    admin.database.name = None;
-    let pool = inbox::create_pool(&admin)?;
-    let client = pool.get().await?;
-    client
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        .await?;
-    client
-        .batch_execute(&format!("CREATE DATABASE {DATABASE}"))
-        .await?;
-    Ok(())
 }
 
 /// The service declares its queues at start; publishing waits for that.

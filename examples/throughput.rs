@@ -40,7 +40,7 @@ use inbox::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
 use inbox::lapin::types::FieldTable;
-use inbox::lapin::{BasicProperties, Connection};
+use inbox::lapin::{BasicProperties, Channel, Connection, Consumer};
 use inbox::{Error, Message, QueueSettings, Result, Settings, amqp};
 use inbox_actors::Runtime;
 use tokio::sync::Mutex;
@@ -157,7 +157,7 @@ async fn run() -> Result<()> {
     settings.database.name = Some(DATABASE.into());
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
-    recreate_database(&settings).await?;
+    common::recreate_database(&settings, DATABASE).await?;
     common::create_tables(&settings).await?;
     let pool = inbox::create_pool(&settings)?;
     inbox::run_migrations(&mut *pool.get().await?).await?;
@@ -247,20 +247,6 @@ fn median(mut runs: Vec<Measured>) -> Measured {
     runs[runs.len() / 2]
 }
 
-async fn recreate_database(settings: &Settings) -> Result<()> {
-    let mut admin = settings.clone();
-    admin.database.name = None;
-    let pool = inbox::create_pool(&admin)?;
-    let client = pool.get().await?;
-    client
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        .await?;
-    client
-        .batch_execute(&format!("CREATE DATABASE {DATABASE}"))
-        .await?;
-    Ok(())
-}
-
 /// Publishes the workload to `queue`, confirms collected in windows.
 async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> Result<()> {
     let channel = connection.create_channel().await?;
@@ -318,13 +304,13 @@ impl Latencies {
     }
 }
 
-async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Result<Measured> {
-    let started = Instant::now();
+/// A channel consuming `queue` with its prefetch, as the runtime does.
+async fn consume(connection: &Connection, queue: &QueueSettings) -> Result<(Channel, Consumer)> {
     let channel = connection.create_channel().await?;
     channel
         .basic_qos(queue.prefetch, BasicQosOptions::default())
         .await?;
-    let mut consumer = channel
+    let consumer = channel
         .basic_consume(
             queue.name.as_str().into(),
             "".into(),
@@ -332,6 +318,12 @@ async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Re
             FieldTable::default(),
         )
         .await?;
+    Ok((channel, consumer))
+}
+
+async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Result<Measured> {
+    let started = Instant::now();
+    let (channel, mut consumer) = consume(connection, queue).await?;
     let latencies = Latencies::default();
     for _ in 0..count {
         let Some(delivery) = consumer.next().await else {
@@ -360,18 +352,7 @@ async fn handwritten(
     count: usize,
 ) -> Result<Measured> {
     let started = Instant::now();
-    let channel = connection.create_channel().await?;
-    channel
-        .basic_qos(queue.prefetch, BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            queue.name.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (channel, mut consumer) = consume(connection, queue).await?;
     let latencies = Arc::new(Latencies::default());
     let done = Arc::new(AtomicUsize::new(0));
     let (finished, all_done) = tokio::sync::oneshot::channel();

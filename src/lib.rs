@@ -21,7 +21,9 @@
 //! - [`amqp`]: connecting, declaring a queue's topology, [`AmqpPublisher`],
 //!   replaying `Q.error`.
 //! - [`fault`]: the failure history and fault reasons in a message's headers.
-//! - [`Error`]: the one error type.
+//! - [`Error`]: the one error type; [`describe`] and [`is_unavailable`] read
+//!   any error's source chain (for logs, and to tell an outage from a
+//!   failure).
 
 mod db;
 mod envelope;

@@ -128,7 +128,7 @@ impl RuntimeBuilder {
             settings,
             pool,
             dedup,
-            connection: None,
+            publisher_connection: None,
             consumers: Vec::new(),
             retention,
             stats,
@@ -177,7 +177,8 @@ pub struct Runtime {
     settings: Settings,
     pool: Pool,
     dedup: Addr<DedupActor>,
-    connection: Option<inbox::lapin::Connection>,
+    /// Publishing's own broker connection (each queue consumer has another).
+    publisher_connection: Option<inbox::lapin::Connection>,
     consumers: Vec<Addr<ConsumerActor>>,
     retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
@@ -201,7 +202,7 @@ impl Runtime {
         self.publisher = Publisher::Amqp(
             inbox::AmqpPublisher::new(&connection, self.settings.message_bus.exchange.clone()).await?,
         );
-        self.connection = Some(connection);
+        self.publisher_connection = Some(connection);
         let database = Arc::new(DatabaseGate::new(self.pool.clone()));
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue).await?;
@@ -282,7 +283,7 @@ impl Runtime {
         if let Some(retention) = &self.retention {
             let _ = retention.send(StopSweeping).await;
         }
-        if let Some(connection) = &self.connection
+        if let Some(connection) = &self.publisher_connection
             && let Err(e) = connection.close(200, "shutdown".into()).await
         {
             tracing::warn!(error = %e, "closing the broker connection failed");

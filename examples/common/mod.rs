@@ -93,6 +93,20 @@ impl XorShift {
     }
 }
 
+/// Drops and creates database `name` on the server `settings` point at.
+pub async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+    let mut admin = settings.clone();
+    admin.database.name = None;
+    let pool = inbox::create_pool(&admin)?;
+    let client = pool.get().await?;
+    // Two statements: neither runs inside a transaction block.
+    client
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .await?;
+    client.batch_execute(&format!("CREATE DATABASE {name}")).await?;
+    Ok(())
+}
+
 /// The value after `--name` on the command line.
 pub fn arg(name: &str) -> Option<String> {
     let mut args = std::env::args().skip_while(|a| a != name);
