@@ -24,7 +24,8 @@ pub struct Envelope {
     /// Whether the broker says it delivered this message before.
     pub redelivered: bool,
     /// The span all work on this message runs in: `message_id`, `type`,
-    /// `consumer`, `redelivered`.
+    /// `consumer`, `redelivered` and, over a consumer, `attempt` (counted
+    /// over every delivery, from the message's fault headers).
     pub span: tracing::Span,
 }
 
@@ -98,7 +99,16 @@ impl Envelope {
 }
 
 fn span(message_id: Uuid, event_type: &str, consumer: &str, redelivered: bool) -> tracing::Span {
-    tracing::info_span!("message", %message_id, r#type = event_type, consumer, redelivered)
+    // `attempt` is recorded by the consumer, from the message's failure
+    // history, before each attempt.
+    tracing::info_span!(
+        "message",
+        %message_id,
+        r#type = event_type,
+        consumer,
+        redelivered,
+        attempt = tracing::field::Empty
+    )
 }
 
 pub(crate) const JSON: &str = "application/json";

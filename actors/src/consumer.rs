@@ -529,6 +529,7 @@ impl Settler {
         async move {
             let mut retry = 0;
             let abandoned: Abandoned = loop {
+                tracing::Span::current().record("attempt", history.attempts + 1);
                 let outcome = match first.take() {
                     Some(outcome) => outcome,
                     None => {
