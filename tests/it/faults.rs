@@ -4,11 +4,13 @@ use inbox::Message;
 use inbox_actors::Runtime;
 
 use crate::proxy::Proxy;
-use crate::support::{Count, Counted, TestEnv, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, wait_until};
 
 #[actix_rt::test]
 async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     let env = TestEnv::new("database_outage").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
     let mut settings = env.settings();
     // The runtime reaches PostgreSQL through a proxy this test can cut.
     let real = settings.pg_config().unwrap();
@@ -57,6 +59,18 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     })
     .await;
     runtime.shutdown().await;
+    let text = logs.text();
+    let said = |words: &str| text.lines().filter(|l| l.contains(words)).count();
+    assert_eq!(
+        said("database unavailable"),
+        1,
+        "the outage's start is logged once:\n{text}"
+    );
+    assert_eq!(
+        said("database available again"),
+        1,
+        "its end is logged once:\n{text}"
+    );
     for key in 0..60 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }

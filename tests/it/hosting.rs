@@ -1,10 +1,7 @@
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use inbox::{InboxKey, InboxStore, Message, Provider, Result, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, wait_until};
 
 #[actix_rt::test]
 async fn migrations_create_the_inbox_table_with_the_inbox_off() {
@@ -70,20 +67,6 @@ async fn migrations_create_the_inbox_table_with_the_inbox_off() {
     assert_eq!(indexed, 1, "no index on processed_at");
 }
 
-/// Collects what the tracing subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[actix_rt::test]
 async fn a_rabbitmq_host_with_the_inbox_off_warns_once_and_no_other_host_does() {
     let env = TestEnv::new("startup_warning").await;
@@ -96,13 +79,7 @@ async fn a_rabbitmq_host_with_the_inbox_off_warns_once_and_no_other_host_does() 
     ];
     for (provider, enable_inbox, expected) in cases {
         let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .finish();
-        let guard = tracing::subscriber::set_default(subscriber);
+        let guard = captured.install();
         let mut settings = env.settings();
         settings.message_bus.provider = provider;
         settings.message_bus.enable_inbox = enable_inbox;
@@ -115,7 +92,7 @@ async fn a_rabbitmq_host_with_the_inbox_off_warns_once_and_no_other_host_does() 
             .await;
         drop(guard);
 
-        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let text = captured.text();
         let warnings: Vec<_> = text
             .lines()
             .filter(|l| l.contains("WARN") && l.contains("enable_inbox"))
