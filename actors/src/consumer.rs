@@ -1,10 +1,10 @@
-//! [`ConsumerActor`]: one RabbitMQ queue, and the failure policy for its
-//! messages.
+//! [`ConsumerActor`]: one RabbitMQ queue.
 //!
-//! Owns the queue's channel and its lapin consumer stream. Decodes each
-//! delivery into an envelope and sends [`Deliver`] to the
-//! [`DedupActor`](crate::DedupActor), up to the queue's prefetch at once,
-//! then settles the delivery from the [`Outcome`]:
+//! Owns the queue's connection, channel and lapin consumer stream. Decodes
+//! each delivery into an envelope and sends [`Deliver`](crate::Deliver) to
+//! the [`DedupActor`](crate::DedupActor), up to the queue's prefetch at
+//! once, then settles the delivery from the [`Outcome`](crate::Outcome)
+//! (the failure policy lives in `settle.rs`):
 //!
 //! - completed or duplicate: ack;
 //! - abandoned because the database is unreachable: held until it answers
@@ -18,7 +18,7 @@
 //!
 //! With `batch_size` above 1, deliveries that arrive together are buffered
 //! until the actor has handled every one that is ready ([`Flush`]), then
-//! sent as one [`DeliverBatch`]; each delivery is settled from its own
+//! sent as one [`DeliverBatch`](crate::DeliverBatch); each delivery is settled from its own
 //! outcome, after the batch's commit. A batch fills up to `batch_size`, and
 //! at most `prefetch / batch_size` batches run at once.
 //!
@@ -38,28 +38,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use futures_util::future::join_all;
 use inbox::amqp;
-use inbox::amqp::{error_queue, retry_queue, skipped_queue};
-use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-};
+use inbox::lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use inbox::lapin::types::{FieldTable, ShortString};
 use inbox::lapin::{Channel, Connection, Consumer};
-use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings, QueueSettings, Settings};
+use inbox::{AmqpPublisher, QueueSettings, Settings};
 use tokio::sync::oneshot;
-use tracing::Instrument;
 
 use crate::availability::DatabaseGate;
-use crate::dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome};
-use crate::stats::{Counter, Stats};
-
-/// How long to wait before handing a message back to the broker when it
-/// could not be moved to a retry tier or the error queue (the broker is
-/// struggling; an instant requeue would spin).
-const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
+use crate::dedup::DedupActor;
+use crate::settle::{Pending, Settler};
+use crate::stats::Stats;
 
 /// Stop consuming and resolve once no message is in flight.
 #[derive(Message)]
@@ -385,290 +375,5 @@ impl actix::Handler<Drain> for ConsumerActor {
             }
             .into_actor(self),
         )
-    }
-}
-
-/// What settling a delivery needs; shared by the queue's messages in flight.
-#[derive(Clone)]
-struct Settler {
-    queue: String,
-    consumer: Arc<str>,
-    dedup: Addr<DedupActor>,
-    forwarder: AmqpPublisher,
-    failure: FailureSettings,
-    stats: Arc<Stats>,
-    database: Arc<DatabaseGate>,
-}
-
-/// A decoded delivery waiting for its outcome.
-struct Pending {
-    delivery: Delivery,
-    envelope: Arc<Envelope>,
-    history: FailureHistory,
-    arrived: Instant,
-}
-
-/// A delivery that can never be processed, and why.
-struct Malformed {
-    delivery: Delivery,
-    reason: String,
-    stage: &'static str,
-    history: FailureHistory,
-}
-
-impl Settler {
-    /// Checks a delivery's size and decodes it.
-    fn prepare(&self, mut delivery: Delivery, arrived: Instant) -> Result<Pending, Box<Malformed>> {
-        let history = FailureHistory::read(
-            delivery
-                .properties
-                .headers()
-                .as_ref()
-                .unwrap_or(&Default::default()),
-        );
-        let size = delivery.data.len();
-        if size > self.failure.max_body_size {
-            let reason = format!(
-                "body is {size} bytes; failure.max_body_size is {}",
-                self.failure.max_body_size
-            );
-            return Err(Box::new(Malformed {
-                delivery,
-                reason,
-                stage: "consumer",
-                history,
-            }));
-        }
-        match Envelope::decode(
-            &delivery.properties,
-            &mut delivery.data,
-            delivery.redelivered,
-            &self.consumer,
-        ) {
-            Ok(envelope) => Ok(Pending {
-                delivery,
-                envelope: Arc::new(envelope),
-                history,
-                arrived,
-            }),
-            Err(e) => Err(Box::new(Malformed {
-                delivery,
-                reason: e.to_string(),
-                stage: "decode",
-                history,
-            })),
-        }
-    }
-
-    /// Runs one delivery through the inbox and the failure policy, and
-    /// settles it with the broker.
-    async fn settle(self: Arc<Self>, delivery: Delivery, arrived: Instant) {
-        match self.prepare(delivery, arrived) {
-            Ok(pending) => self.process(pending, None).await,
-            Err(malformed) => self.set_aside(malformed).await,
-        }
-    }
-
-    /// Runs a batch through the inbox in one transaction, then settles each
-    /// delivery from its own outcome (a failed one retries alone).
-    async fn settle_batch(self: Arc<Self>, batch: Vec<Pending>) {
-        if batch.len() == 1 {
-            // Alone, it is cheaper without the batch's savepoint.
-            for pending in batch {
-                self.process(pending, None).await;
-            }
-            return;
-        }
-        let deliver = DeliverBatch {
-            consumer: Arc::clone(&self.consumer),
-            envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
-        };
-        let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-            let abandoned = Abandoned::new("dedup actor", e);
-            vec![Outcome::Abandoned(abandoned); batch.len()]
-        });
-        let settled = batch
-            .into_iter()
-            .zip(outcomes)
-            .map(|(pending, outcome)| self.process(pending, Some(outcome)));
-        join_all(settled).await;
-    }
-
-    /// A malformed delivery: straight to `Q.error`, no handler ran.
-    async fn set_aside(self: Arc<Self>, malformed: Box<Malformed>) {
-        let Malformed {
-            delivery,
-            reason,
-            stage,
-            history,
-        } = *malformed;
-        tracing::warn!(
-            queue = %self.queue,
-            delivery_tag = delivery.delivery_tag,
-            delivery = %DeliveryLabel(&delivery.properties),
-            %reason,
-            "malformed delivery; moving it to the error queue"
-        );
-        self.stats.add(Counter::Rejected);
-        let fault = self.fault(&reason, stage, history);
-        self.move_to(&error_queue(&self.queue), &delivery, &delivery.data, &fault)
-            .await;
-    }
-
-    /// Settles one message: from `first`, the outcome of an attempt already
-    /// made (in a batch), or from attempts of its own; failures go through
-    /// the immediate retries, then a retry tier or `Q.error`.
-    async fn process(&self, pending: Pending, mut first: Option<Outcome>) {
-        let Pending {
-            delivery,
-            envelope,
-            mut history,
-            arrived,
-        } = pending;
-        let span = envelope.span.clone();
-        async move {
-            let mut retry = 0;
-            let abandoned: Abandoned = loop {
-                tracing::Span::current().record("attempt", history.attempts + 1);
-                let outcome = match first.take() {
-                    Some(outcome) => outcome,
-                    None => {
-                        let deliver = Deliver {
-                            consumer: Arc::clone(&self.consumer),
-                            envelope: Arc::clone(&envelope),
-                        };
-                        self.dedup
-                            .send(deliver)
-                            .await
-                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new("dedup actor", e)))
-                    }
-                };
-                match outcome {
-                    Outcome::Completed | Outcome::Duplicate => {
-                        tracing::debug!(?outcome, "acking");
-                        ack(&delivery, &self.stats).await;
-                        self.stats.record_latency(arrived.elapsed());
-                        return;
-                    }
-                    Outcome::Rejected(reason) => {
-                        tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
-                        // Counted as rejected by the dedup actor.
-                        let fault = self.fault(&reason, "deserialize", history);
-                        self.move_to(&error_queue(&self.queue), &delivery, &envelope.body, &fault)
-                            .await;
-                        return;
-                    }
-                    Outcome::NoHandler => {
-                        let reason = format!("no handler registered for type `{}`", envelope.event_type);
-                        tracing::warn!("{reason}; moving it to the skipped queue");
-                        let fault = self.fault(&reason, "dispatch", history);
-                        self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
-                            .await;
-                        return;
-                    }
-                    Outcome::Abandoned(abandoned) if abandoned.unavailable => {
-                        // Not the message's fault: hold it (unacked, so the
-                        // prefetch stops further deliveries) until the
-                        // database answers, and spend none of its attempts.
-                        tracing::debug!(reason = %abandoned.reason, "database unavailable; holding the message");
-                        self.database.wait_until_available(&abandoned.reason).await;
-                        continue;
-                    }
-                    Outcome::Abandoned(abandoned) => {
-                        history.attempts += 1;
-                        history.first_failure.get_or_insert_with(inbox::fault::now);
-                        if retry < self.failure.immediate_retries {
-                            let pause = self.failure.backoff(retry);
-                            tracing::warn!(
-                                stage = %abandoned.stage,
-                                reason = %abandoned.reason,
-                                attempts = history.attempts,
-                                "attempt failed; retrying in {pause:?}"
-                            );
-                            tokio::time::sleep(pause).await;
-                            retry += 1;
-                            continue;
-                        }
-                        break abandoned;
-                    }
-                }
-            };
-            let (to, counter) = match self.failure.destination(history.redeliveries) {
-                Destination::RetryTier(tier) => {
-                    history.redeliveries += 1;
-                    (retry_queue(&self.queue, tier), Counter::Delayed)
-                }
-                Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),
-            };
-            tracing::warn!(
-                stage = %abandoned.stage,
-                reason = %abandoned.reason,
-                attempts = history.attempts,
-                "attempts failed; moving it to {to}"
-            );
-            let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
-            if self.move_to(&to, &delivery, &envelope.body, &fault).await {
-                self.stats.add(counter);
-            }
-        }
-        .instrument(span)
-        .await
-    }
-
-    fn fault<'a>(&'a self, reason: &'a str, handler: &'a str, history: FailureHistory) -> Fault<'a> {
-        Fault {
-            reason,
-            handler,
-            history,
-            source_queue: &self.queue,
-        }
-    }
-
-    /// Publishes a copy of the delivery with the fault in its headers to
-    /// `to`, then acks the original, in that order. If the copy is not
-    /// confirmed, the original goes back to the broker instead. Returns
-    /// whether the message moved.
-    async fn move_to(&self, to: &str, delivery: &Delivery, body: &[u8], fault: &Fault<'_>) -> bool {
-        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-        fault.stamp(&mut headers);
-        let properties = delivery.properties.clone().with_headers(headers);
-        match self.forwarder.publish_raw(to, properties, body).await {
-            Ok(()) => {
-                ack(delivery, &self.stats).await;
-                true
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "could not move the message to {to}; handing it back to the broker");
-                tokio::time::sleep(MOVE_FAILED_PAUSE).await;
-                let options = BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                };
-                check_settled(delivery.acker.nack(options).await, "nack", &self.stats);
-                false
-            }
-        }
-    }
-}
-
-async fn ack(delivery: &Delivery, stats: &Stats) {
-    check_settled(delivery.acker.ack(BasicAckOptions::default()).await, "ack", stats);
-}
-
-/// lapin answers `Ok(false)` for an ack on a channel that has been recovered
-/// since the delivery: the broker never got it and will redeliver.
-fn check_settled(result: inbox::lapin::Result<bool>, what: &str, stats: &Stats) {
-    match result {
-        Ok(true) => {}
-        Ok(false) => {
-            stats.add(Counter::UnconfirmedAcks);
-            tracing::warn!(
-                "{what} not delivered: the channel was recovered since; the broker will redeliver and the inbox will skip what was committed"
-            );
-        }
-        Err(e) => {
-            stats.add(Counter::UnconfirmedAcks);
-            tracing::warn!(error = %e, "{what} failed; the broker will redeliver and the inbox will skip what was committed");
-        }
     }
 }

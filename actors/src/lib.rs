@@ -28,6 +28,7 @@ mod handler;
 mod publisher;
 mod retention;
 mod runtime;
+mod settle;
 mod stats;
 
 pub use consumer::{ConsumerActor, Disconnect, Drain, Flush};
