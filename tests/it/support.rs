@@ -183,17 +183,23 @@ impl TestEnv {
     }
 }
 
+/// The most retry tiers a test configures (the lock-timeout test's 20).
+const MAX_TIERS: usize = 20;
+
 impl Drop for TestEnv {
     fn drop(&mut self) {
         let database = self.database.clone();
         let queue = self.queue.clone();
-        let queues = [
-            inbox::amqp::retry_queue(&queue, 1),
-            inbox::amqp::retry_queue(&queue, 2),
+        // Every queue the runtime may have declared for it: tests use up to
+        // MAX_TIERS retry tiers. Deleting a queue that does not exist is fine.
+        let mut queues: Vec<String> = (1..=MAX_TIERS)
+            .map(|tier| inbox::amqp::retry_queue(&queue, tier))
+            .collect();
+        queues.extend([
             inbox::amqp::error_queue(&queue),
             inbox::amqp::skipped_queue(&queue),
             queue,
-        ];
+        ]);
         // Drop cannot await, and may run while a test panics: clean up on a
         // thread of its own with a runtime of its own.
         let cleanup = std::thread::spawn(move || {
