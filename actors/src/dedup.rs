@@ -12,8 +12,7 @@
 //! savepoint of its own (a failure rolls back that message only), commits
 //! once, and replies with an [`Outcome`] per message.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -89,11 +88,12 @@ impl Abandoned {
         }
     }
 
-    /// A failure of the runtime's own database work, classified.
+    /// A failure of the runtime's own database work, classified, with
+    /// PostgreSQL's own words from the error's sources.
     fn database(stage: &str, error: &inbox::Error) -> Self {
         Self {
             stage: stage.to_owned(),
-            reason: error.to_string(),
+            reason: inbox::describe(error),
             unavailable: error.is_unavailable(),
         }
     }
@@ -109,9 +109,10 @@ pub struct DedupActor {
     routes: Arc<Routes>,
     stats: Arc<Stats>,
     /// Per consumer, one batch at a time runs its handlers; the next may
-    /// claim, and start once the previous one is committing. Two batches both taking row
-    /// locks would deadlock on any rows they share in opposite order; one
-    /// that only commits takes no new lock, so the other merely waits.
+    /// claim meanwhile and starts once the previous one is committing. Two
+    /// batches both taking row locks would deadlock on any rows they share
+    /// in opposite order; one that only commits takes no new lock, so the
+    /// other merely waits.
     batch_lanes: HashMap<Arc<str>, Arc<Semaphore>>,
 }
 
@@ -277,24 +278,18 @@ impl Work {
         // The messages to claim: one per id, with a handler. A second copy of
         // an id in the batch is a duplicate whatever becomes of the first:
         // that one is committed, or alive on its failure path.
-        let mut first_copy = HashMap::new();
+        let mut seen = HashSet::new();
         let mut members = Vec::new();
         for (i, envelope) in envelopes.iter().enumerate() {
             if !self.routes.contains_key(&envelope.event_type) {
                 outcomes[i] = Some(Outcome::NoHandler);
-            } else if let Entry::Vacant(first) = first_copy.entry(envelope.message_id) {
-                first.insert(i);
+            } else if seen.insert(envelope.message_id) {
                 members.push(i);
             } else {
                 outcomes[i] = Some(Outcome::Duplicate);
             }
         }
         let keys: Vec<InboxKey> = members.iter().map(|&i| key(&consumer, &envelopes[i])).collect();
-        let abandon_all = |outcomes: &mut Vec<Option<Outcome>>, abandoned: Abandoned| {
-            for &i in &members {
-                outcomes[i].get_or_insert_with(|| Outcome::Abandoned(abandoned.clone()));
-            }
-        };
 
         if !members.is_empty() {
             match self
@@ -312,13 +307,14 @@ impl Work {
                         }
                     }
                 }
+                // Nothing of the batch committed: every member without an
+                // outcome of its own, or that was to complete, starts over.
                 Err(abandoned) => {
                     for &i in &members {
-                        if outcomes[i] == Some(Outcome::Completed) {
-                            outcomes[i] = None;
+                        if matches!(outcomes[i], None | Some(Outcome::Completed)) {
+                            outcomes[i] = Some(Outcome::Abandoned(abandoned.clone()));
                         }
                     }
-                    abandon_all(&mut outcomes, abandoned);
                 }
             }
         }

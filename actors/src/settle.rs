@@ -117,13 +117,12 @@ impl Settler {
 
     /// Runs a batch through the inbox in one transaction, then settles each
     /// delivery from its own outcome (a failed one retries alone).
-    pub(crate) async fn settle_batch(self: Arc<Self>, batch: Vec<Pending>) {
-        if batch.len() == 1 {
+    pub(crate) async fn settle_batch(self: Arc<Self>, mut batch: Vec<Pending>) {
+        if batch.len() == 1
+            && let Some(alone) = batch.pop()
+        {
             // Alone, it is cheaper without the batch's savepoint.
-            for pending in batch {
-                self.process(pending, None).await;
-            }
-            return;
+            return self.process(alone, None).await;
         }
         let deliver = DeliverBatch {
             consumer: Arc::clone(&self.consumer),

@@ -1,3 +1,5 @@
+use std::collections::HashSet;
+
 use uuid::Uuid;
 
 use super::{Claim, InboxKey, InboxStore};
@@ -57,7 +59,7 @@ impl InboxStore for PgInboxStore {
         let types: Vec<&str> = sorted.iter().map(|k| k.event_type.as_str()).collect();
         let client = uow.client();
         let statement = client.prepare_cached(CLAIM_BATCH).await?;
-        let claimed: Vec<(String, Uuid)> = client
+        let claimed: HashSet<(String, Uuid)> = client
             .query(&statement, &[&consumers, &ids, &types])
             .await?
             .iter()
@@ -65,10 +67,7 @@ impl InboxStore for PgInboxStore {
             .collect();
         let mut claims = Vec::with_capacity(keys.len());
         for key in keys {
-            if claimed
-                .iter()
-                .any(|(c, id)| *c == key.consumer && *id == key.message_id)
-            {
+            if claimed.contains(&(key.consumer.clone(), key.message_id)) {
                 uow.stage(key.message_id);
                 claims.push(Claim::Proceed);
             } else {

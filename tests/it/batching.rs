@@ -35,15 +35,21 @@ async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
     connection.close(200, "done".into()).await.unwrap();
 }
 
-/// Fails its first call for `key`; otherwise counts in `second_counts`.
+/// Fails (or panics, with `panic`) on its first call for `key`; otherwise
+/// counts in `second_counts`.
+#[derive(Default)]
 struct FailsOnce {
     key: i64,
     calls: Arc<AtomicUsize>,
+    panic: bool,
 }
 
 impl EventHandler<Counted> for FailsOnce {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            if self.panic {
+                panic!("panics once on purpose");
+            }
             return Err("fails once on purpose".into());
         }
         increment(uow, "second_counts", event.key).await
@@ -70,6 +76,7 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
     let fails_once = FailsOnce {
         key: 5,
         calls: Arc::clone(&calls),
+        ..FailsOnce::default()
     };
     let runtime = Runtime::builder(settings)
         .handler(Count)
@@ -92,6 +99,41 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
     // the savepoint rollback, key 5 would read 2.
     assert_eq!(first.len(), 16);
     assert!(first.values().all(|&n| n == 1), "{first:?}");
+    assert_eq!(second.len(), 16);
+    assert!(second.values().all(|&n| n == 1), "{second:?}");
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 16);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_panic_in_a_batch_costs_the_batch_a_retry_and_every_message_still_counts_once() {
+    let env = TestEnv::new("batch_panic").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    let panics_once = FailsOnce {
+        key: 5,
+        panic: true,
+        ..FailsOnce::default()
+    };
+    let runtime = Runtime::builder(settings)
+        .handler(Count)
+        .handler(panics_once)
+        .start()
+        .await
+        .unwrap();
+
+    wait_until("all 16 complete", || async { runtime.stats().completed == 16 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert!(stats.abandoned >= 1, "{stats:?}");
+    let (first, second) = (counts(&env, "counts").await, counts(&env, "second_counts").await);
+    assert_eq!(first.len(), 16);
+    assert!(
+        first.values().all(|&n| n == 1),
+        "a batch-mate took effect twice: {first:?}"
+    );
     assert_eq!(second.len(), 16);
     assert!(second.values().all(|&n| n == 1), "{second:?}");
     assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 16);
@@ -224,7 +266,7 @@ async fn a_store_with_only_the_required_methods_works_in_batches() {
     prefill(&settings, &[&repeated, &failing, &repeated, &other, &repeated]).await;
     let fails_once = FailsOnce {
         key: 2,
-        calls: Arc::new(AtomicUsize::new(0)),
+        ..FailsOnce::default()
     };
     let runtime = Runtime::builder(settings)
         .inbox_store(HandWrittenStore)

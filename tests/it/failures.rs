@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, increment, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, increment, wait_until};
 
 /// Counts its calls; fails (or panics) on the calls for `key` until it has
 /// been called `failures` times for it.
@@ -76,6 +76,8 @@ async fn a_failing_second_handler_rolls_back_the_first_and_the_redelivery_runs_b
 #[actix_rt::test]
 async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing() {
     let env = TestEnv::new("panicking_handler").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
     let calls = Arc::new(AtomicUsize::new(0));
     let flaky = Flaky {
         key: 0,
@@ -103,6 +105,8 @@ async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing
 
     assert_eq!(stats.abandoned, 2, "two panics, two abandoned attempts");
     assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let restarts = logs.text().matches("handler actor restarted").count();
+    assert_eq!(restarts, 2, "the handler actor restarts after each panic");
     for key in 0..30 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}, first handler");
         assert_eq!(

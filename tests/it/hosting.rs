@@ -147,17 +147,97 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
     runtime.shutdown().await;
 
     settings.message_bus.enable_inbox = Some(true);
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings)
+        .handler(Count)
+        .handler(RefusesNegativeKeys)
+        .start()
+        .await
+        .unwrap();
     let message = Message::new(Counted { key: 2 });
     runtime.publisher().publish("ignored", &message).await.unwrap();
     runtime.publisher().publish("ignored", &message).await.unwrap();
     assert_eq!(runtime.stats().duplicates, 1);
+    // The caller is the consumer here: a failure comes back to it, and
+    // nothing of the message is committed.
+    let refused = runtime
+        .publisher()
+        .publish("ignored", &Message::new(Counted { key: -3 }))
+        .await;
+    assert!(
+        matches!(refused, Err(inbox::Error::Abandoned { .. })),
+        "{refused:?}"
+    );
     runtime.shutdown().await;
     assert_eq!(
         env.count("counts", 2).await,
         1,
         "explicitly on, the inbox deduplicates in process too"
     );
+    assert_eq!(
+        env.count("counts", -3).await,
+        0,
+        "the refused message was rolled back"
+    );
+}
+
+/// Refuses events with a negative key.
+struct RefusesNegativeKeys;
+
+impl inbox::EventHandler<Counted> for RefusesNegativeKeys {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _uow: &mut UnitOfWork,
+    ) -> std::result::Result<(), inbox::HandlerError> {
+        if event.key < 0 {
+            return Err("negative keys are refused".into());
+        }
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn two_consumers_of_one_event_in_one_database_each_process_it_once() {
+    let mut env = TestEnv::new("two_consumers").await;
+    let other_queue = env.another_queue("billing");
+    let mut settings = env.settings();
+    settings.queues.push(inbox::QueueSettings::new(&other_queue));
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let message = Message::new(Counted { key: 1 });
+    for _ in 0..2 {
+        runtime.publisher().publish(&env.queue, &message).await.unwrap();
+        runtime.publisher().publish(&other_queue, &message).await.unwrap();
+    }
+    wait_until("all four copies are settled", || async {
+        let s = runtime.stats();
+        s.completed + s.duplicates == 4
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!(
+        (stats.completed, stats.duplicates),
+        (2, 2),
+        "once per consumer, then skipped"
+    );
+    assert_eq!(
+        env.count("counts", 1).await,
+        2,
+        "each consumer's handlers ran once"
+    );
+    let consumers: Vec<String> = env
+        .db()
+        .await
+        .query("SELECT consumer FROM inbox_messages ORDER BY consumer", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut expected = vec![env.queue.clone(), other_queue];
+    expected.sort();
+    assert_eq!(consumers, expected, "one inbox row per (consumer, message_id)");
 }
 
 #[actix_rt::test]

@@ -73,6 +73,8 @@ async fn connect(url: &str, dbname: Option<&str>) -> Client {
 pub struct TestEnv {
     pub database: String,
     pub queue: String,
+    /// More queues of this test's, removed with the rest.
+    extra_queues: Vec<String>,
 }
 
 impl TestEnv {
@@ -90,6 +92,7 @@ impl TestEnv {
         let env = Self {
             database,
             queue: format!("test.{name}.{}", uuid::Uuid::now_v7()),
+            extra_queues: Vec::new(),
         };
         env.db()
             .await
@@ -111,6 +114,13 @@ impl TestEnv {
         settings.message_bus.amqp_url = amqp_url();
         settings.queues = vec![QueueSettings::new(&self.queue)];
         settings
+    }
+
+    /// Another queue name of this test's (`<queue>.<suffix>`).
+    pub fn another_queue(&mut self, suffix: &str) -> String {
+        let name = format!("{}.{suffix}", self.queue);
+        self.extra_queues.push(name.clone());
+        name
     }
 
     /// A connection to this test's database, outside the runtime.
@@ -189,17 +199,18 @@ const MAX_TIERS: usize = 20;
 impl Drop for TestEnv {
     fn drop(&mut self) {
         let database = self.database.clone();
-        let queue = self.queue.clone();
-        // Every queue the runtime may have declared for it: tests use up to
-        // MAX_TIERS retry tiers. Deleting a queue that does not exist is fine.
-        let mut queues: Vec<String> = (1..=MAX_TIERS)
-            .map(|tier| inbox::amqp::retry_queue(&queue, tier))
-            .collect();
-        queues.extend([
-            inbox::amqp::error_queue(&queue),
-            inbox::amqp::skipped_queue(&queue),
-            queue,
-        ]);
+        // Every queue the runtime may have declared for this test's queues:
+        // tests use up to MAX_TIERS retry tiers. Deleting a queue that does
+        // not exist is fine.
+        let mut queues = Vec::new();
+        for queue in std::iter::once(&self.queue).chain(&self.extra_queues) {
+            queues.extend((1..=MAX_TIERS).map(|tier| inbox::amqp::retry_queue(queue, tier)));
+            queues.extend([
+                inbox::amqp::error_queue(queue),
+                inbox::amqp::skipped_queue(queue),
+                queue.clone(),
+            ]);
+        }
         // Drop cannot await, and may run while a test panics: clean up on a
         // thread of its own with a runtime of its own.
         let cleanup = std::thread::spawn(move || {
