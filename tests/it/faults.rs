@@ -104,9 +104,10 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
         .queue_delete(env.queue.as_str().into(), Default::default())
         .await
         .unwrap();
-    // The consumer declares its topology again: the queue comes back, and
-    // what is published to it is consumed.
-    wait_until("the queue is declared again", || async {
+    // The consumer declares its topology again and consumes from it: the
+    // queue comes back, and what is published to it is consumed. (Waiting
+    // for the queue alone races with the broker still starting it.)
+    wait_until("the queue is declared and consumed again", || async {
         let passive = inbox::lapin::options::QueueDeclareOptions {
             passive: true,
             ..Default::default()
@@ -115,7 +116,7 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
         probe
             .queue_declare(env.queue.as_str().into(), passive, Default::default())
             .await
-            .is_ok()
+            .is_ok_and(|queue| queue.consumer_count() == 1)
     })
     .await;
     for key in 5..10 {
