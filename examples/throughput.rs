@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
-//!     [--batch-size 8] [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched] [--repeat 1]
+//!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched] [--repeat 1]
 //! ```
 //!
 //! Every scenario consumes the same pre-published check-in events (a share
@@ -18,7 +19,11 @@
 //!   `effects_ok=false` whenever there are duplicates).
 //! - `inbox_on`: the runtime.
 //! - `inbox_on_batched`: the runtime with `batch_size` = `--batch-size`
-//!   (default 8): deliveries that are ready together share a transaction.
+//!   (default 8): deliveries that are ready together share a transaction,
+//!   and the handlers write each batch with one set-based statement each
+//!   (`handle_batch`). Their statements lock rows in key order, so every
+//!   batch in flight may run at once (`concurrent_batches`, default
+//!   `prefetch / batch_size`).
 //!
 //! With `--repeat N` the scenarios are interleaved N times and each line
 //! gives the medians. Latency is from a delivery's arrival to its ack.
@@ -146,6 +151,8 @@ async fn run() -> Result<()> {
     let prefetch: u16 = common::parsed_arg("--prefetch", 16);
     let repeat: usize = common::parsed_arg("--repeat", 1);
     let batch_size: u16 = common::parsed_arg("--batch-size", 8);
+    let concurrent_batches: u16 =
+        common::parsed_arg("--concurrent-batches", (prefetch / batch_size.max(1)).max(1));
     let scenarios: Vec<Scenario> = common::arg("--scenarios")
         .unwrap_or_else(|| "raw,handwritten,inbox_off,inbox_on,inbox_on_batched".into())
         .split(',')
@@ -165,7 +172,8 @@ async fn run() -> Result<()> {
 
     let workload = Workload::new(count, dup_ratio);
     eprintln!(
-        "count={count} unique={} prefetch={prefetch} batch_size={batch_size} repeat={repeat}: \
+        "count={count} unique={} prefetch={prefetch} batch_size={batch_size} \
+         concurrent_batches={concurrent_batches} repeat={repeat}: \
          one line per run on stderr, medians on stdout",
         workload.unique
     );
@@ -192,6 +200,7 @@ async fn run() -> Result<()> {
                 Scenario::InboxOn => runtime(for_runtime, true, count).await?,
                 Scenario::InboxOnBatched => {
                     for_runtime.queues[0].batch_size = batch_size;
+                    for_runtime.queues[0].concurrent_batches = concurrent_batches;
                     runtime(for_runtime, true, count).await?
                 }
             };

@@ -140,15 +140,29 @@ pub struct QueueSettings {
     #[serde(default)]
     pub kind: QueueKind,
     /// `batch_size`: at most this many deliveries that are ready together
-    /// run in one transaction, each after a savepoint of its own, with one
-    /// commit. 1 (the default) processes each message in its own
-    /// transaction. Opt-in while it proves itself; at most 64 and at most
-    /// `prefetch`.
+    /// run in one transaction, with one commit: the handlers run on the
+    /// whole batch ([`EventHandler::handle_batch`](crate::EventHandler::handle_batch)), and if that
+    /// fails, on each message after a savepoint of its own. 1 (the default)
+    /// processes each message in its own transaction. Opt-in; at most 64
+    /// and at most `prefetch`.
     #[serde(default = "default_batch_size")]
     pub batch_size: u16,
+    /// `concurrent_batches`: how many of the queue's batches may run their
+    /// handlers at once (the others claim or commit meanwhile). Default 1.
+    /// Raise it only if every handler takes its row locks in one order
+    /// (set-based statements sorted by key): two batches locking shared rows
+    /// in opposite orders deadlock, and PostgreSQL breaks a deadlock only
+    /// after its `deadlock_timeout` (1 s by default). At most
+    /// `prefetch / batch_size`, the batches that can be in flight.
+    #[serde(default = "default_concurrent_batches")]
+    pub concurrent_batches: u16,
 }
 
 fn default_batch_size() -> u16 {
+    1
+}
+
+fn default_concurrent_batches() -> u16 {
     1
 }
 
@@ -165,6 +179,7 @@ impl QueueSettings {
             prefetch: default_prefetch(),
             kind: QueueKind::default(),
             batch_size: default_batch_size(),
+            concurrent_batches: default_concurrent_batches(),
         }
     }
 
@@ -474,6 +489,15 @@ impl Settings {
                     format!("must be from 1 to 64 and at most prefetch ({})", queue.prefetch),
                 ));
             }
+            let in_flight = (queue.prefetch / queue.batch_size).max(1);
+            if !(1..=in_flight).contains(&queue.concurrent_batches) {
+                return Err(Error::setting(
+                    &key("concurrent_batches"),
+                    format!(
+                        "must be from 1 to prefetch / batch_size ({in_flight}): no more batches are ever in flight"
+                    ),
+                ));
+            }
         }
         let failure = &self.failure;
         if failure.immediate_retries > 100 {
@@ -687,6 +711,14 @@ mod tests {
             (
                 "[[queues]]\nname = \"a\"\nprefetch = 100\nbatch_size = 65\n".to_string(),
                 "queues[0].batch_size",
+            ),
+            (
+                "[[queues]]\nname = \"a\"\nbatch_size = 8\nconcurrent_batches = 3\n".to_string(),
+                "queues[0].concurrent_batches",
+            ),
+            (
+                "[[queues]]\nname = \"a\"\nconcurrent_batches = 0\n".to_string(),
+                "queues[0].concurrent_batches",
             ),
         ];
         for (text, key) in cases {

@@ -30,8 +30,9 @@ pub struct UnitOfWork {
     /// Messages whose inbox record is written (staged) in this
     /// transaction; see [`InboxStore::complete`](crate::InboxStore::complete).
     staged: Vec<Uuid>,
-    /// Whether a savepoint is open (batches keep one per message).
-    in_savepoint: bool,
+    /// The staged records as they were at the open savepoint (batches keep
+    /// one open at a time), or `None` when no savepoint is open.
+    staged_at_savepoint: Option<Vec<Uuid>>,
 }
 
 impl UnitOfWork {
@@ -46,7 +47,7 @@ impl UnitOfWork {
             connection: Some(connection),
             finished: false,
             staged: Vec::new(),
-            in_savepoint: false,
+            staged_at_savepoint: None,
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -82,28 +83,33 @@ impl UnitOfWork {
         self.staged.len() != before
     }
 
-    /// Marks the start of the next message in a batch: what follows can be
-    /// undone by [`rollback_to_savepoint`](Self::rollback_to_savepoint)
-    /// without touching the messages before. One savepoint is kept open at a
-    /// time (the previous one is released in the same round trip), so a
-    /// batch never nests subtransactions.
+    /// Marks a point in a batch (before the whole batch, or before one
+    /// message): what follows can be undone by
+    /// [`rollback_to_savepoint`](Self::rollback_to_savepoint) without
+    /// touching what came before. One savepoint is kept open at a time (the
+    /// previous one is released in the same round trip), so a batch never
+    /// nests subtransactions.
     pub async fn savepoint(&mut self) -> Result<()> {
-        let sql = if self.in_savepoint {
+        let sql = if self.staged_at_savepoint.is_some() {
             "RELEASE SAVEPOINT message; SAVEPOINT message"
         } else {
             "SAVEPOINT message"
         };
         self.client().batch_execute(sql).await?;
-        self.in_savepoint = true;
+        self.staged_at_savepoint = Some(self.staged.clone());
         Ok(())
     }
 
     /// Undoes everything since the last [`savepoint`](Self::savepoint),
-    /// including a failed statement: the transaction can go on.
+    /// including a failed statement, and forgets the records staged since:
+    /// their rows are gone. The transaction can go on.
     pub async fn rollback_to_savepoint(&mut self) -> Result<()> {
         self.client()
             .batch_execute("ROLLBACK TO SAVEPOINT message")
             .await?;
+        if let Some(staged) = &self.staged_at_savepoint {
+            self.staged.clone_from(staged);
+        }
         Ok(())
     }
 

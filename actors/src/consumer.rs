@@ -155,6 +155,7 @@ impl ConsumerActor {
             failure: settings.failure.clone(),
             stats,
             database,
+            concurrent_batches: queue.concurrent_batches,
         };
         let size = usize::from(queue.batch_size);
         Self {

@@ -8,9 +8,11 @@
 //! or rolls back. It replies with the message's [`Outcome`].
 //!
 //! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims
-//! the batch's messages in one go, runs each one's handlers after a
-//! savepoint of its own (a failure rolls back that message only), commits
-//! once, and replies with an [`Outcome`] per message.
+//! the batch's messages in one go, runs the handlers on the whole batch
+//! ([`HandleBatch`]) after a savepoint, commits once, and replies with an
+//! [`Outcome`] per message. If the handlers fail on the batch, it rolls back
+//! to that savepoint and runs each message's handlers again on their own,
+//! each after a savepoint of its own: a failure rolls back that message only.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -23,7 +25,7 @@ use inbox::{Claim, DynInboxStore, Envelope, InboxKey, UnitOfWork};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
-use crate::handler::{Handle, Handled, HandlerFailure};
+use crate::handler::{Handle, HandleBatch, Handled, HandlerFailure};
 use crate::stats::{Counter, Stats};
 
 /// Process one message through the inbox.
@@ -44,6 +46,9 @@ pub struct DeliverBatch {
     pub consumer: Arc<str>,
     /// The messages; the reply has one outcome for each, in this order.
     pub envelopes: Vec<Arc<Envelope>>,
+    /// How many of this consumer's batches may run their handlers at once
+    /// (`queues[].concurrent_batches`).
+    pub concurrent_batches: u16,
 }
 
 /// What became of a [`Deliver`]ed message; the consumer settles the delivery
@@ -99,8 +104,17 @@ impl Abandoned {
     }
 }
 
+/// The handler actor of one event type, as the dedup actor addresses it.
+#[derive(Clone)]
+pub struct Route {
+    /// One message at a time.
+    pub one: Recipient<Handle>,
+    /// Several messages of a batch at once.
+    pub batch: Recipient<HandleBatch>,
+}
+
 /// The handler actors, by event type name.
-pub type Routes = HashMap<String, Recipient<Handle>>;
+pub type Routes = HashMap<String, Route>;
 
 /// Owns the pool and the store; runs each message's unit of work.
 pub struct DedupActor {
@@ -108,11 +122,11 @@ pub struct DedupActor {
     store: Arc<dyn DynInboxStore>,
     routes: Arc<Routes>,
     stats: Arc<Stats>,
-    /// Per consumer, one batch at a time runs its handlers; the next may
-    /// claim meanwhile and starts once the previous one is committing. Two
-    /// batches both taking row locks would deadlock on any rows they share
-    /// in opposite order; one that only commits takes no new lock, so the
-    /// other merely waits.
+    /// Per consumer, the batches that may run their handlers at once
+    /// (`queues[].concurrent_batches`, 1 by default); the others may claim
+    /// meanwhile, and start once one is committing. Two batches both taking
+    /// row locks would deadlock on rows they share in opposite order; one
+    /// that only commits takes no new lock, so the other merely waits.
     batch_lanes: HashMap<Arc<str>, Arc<Semaphore>>,
 }
 
@@ -145,6 +159,7 @@ impl DedupActor {
             pool: self.pool.clone(),
             store: Arc::clone(&self.store),
             routes: Arc::clone(&self.routes),
+            stats: Arc::clone(&self.stats),
         }
     }
 }
@@ -182,7 +197,7 @@ impl actix::Handler<DeliverBatch> for DedupActor {
         let lane = Arc::clone(
             self.batch_lanes
                 .entry(Arc::clone(&msg.consumer))
-                .or_insert_with(|| Arc::new(Semaphore::new(1))),
+                .or_insert_with(|| Arc::new(Semaphore::new(usize::from(msg.concurrent_batches)))),
         );
         Box::pin(
             async move {
@@ -208,6 +223,20 @@ struct Work {
     pool: Pool,
     store: Arc<dyn DynInboxStore>,
     routes: Arc<Routes>,
+    stats: Arc<Stats>,
+}
+
+/// How the attempt on a whole batch ended.
+enum WholeBatch {
+    /// Every handler succeeded on the whole batch, and every message is
+    /// recorded: ready to commit.
+    Done(UnitOfWork),
+    /// Something failed and the transaction can go on: roll back to the
+    /// savepoint and run the messages one at a time.
+    Failed(UnitOfWork),
+    /// The transaction is lost (a handler panicked, its actor vanished):
+    /// every message starts over.
+    Lost(Abandoned),
 }
 
 impl Work {
@@ -242,7 +271,7 @@ impl Work {
                 return Outcome::Abandoned(Abandoned::database("inbox claim", &e));
             }
         }
-        match route.send(Handle { envelope, uow }).await {
+        match route.one.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     roll_back(uow).await;
@@ -271,7 +300,9 @@ impl Work {
 
     async fn process_batch(
         self,
-        DeliverBatch { consumer, envelopes }: DeliverBatch,
+        DeliverBatch {
+            consumer, envelopes, ..
+        }: DeliverBatch,
         lane: &Semaphore,
     ) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
@@ -324,8 +355,9 @@ impl Work {
             .collect()
     }
 
-    /// Claims the members and runs each one's handlers after its own
-    /// savepoint, writing their outcomes (`Completed` meaning "completed if
+    /// Claims the members and runs their handlers: on the whole batch
+    /// first, then, if that fails, on each message after a savepoint of its
+    /// own. Writes the members' outcomes (`Completed` meaning "completed if
     /// the commit succeeds"). Returns the unit of work to commit, or why the
     /// whole batch failed (every undecided or would-be-completed member is
     /// abandoned then).
@@ -352,20 +384,49 @@ impl Work {
             .acquire()
             .await
             .map_err(|e| Abandoned::new("batch lane", e))?;
-        for ((&i, key), claim) in members.iter().zip(keys).zip(claims) {
-            if claim == Claim::Duplicate {
-                outcomes[i] = Some(Outcome::Duplicate);
-                continue;
+        // Positions in `members` and `keys` of the messages to process.
+        let mut claimed = Vec::with_capacity(members.len());
+        for (position, claim) in claims.into_iter().enumerate() {
+            match claim {
+                Claim::Proceed => claimed.push(position),
+                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
             }
+        }
+        if claimed.is_empty() {
+            return Ok(uow);
+        }
+
+        uow.savepoint()
+            .await
+            .map_err(|e| Abandoned::database("savepoint", &e))?;
+        match self
+            .run_whole_batch(envelopes, members, keys, &claimed, uow)
+            .await
+        {
+            WholeBatch::Done(uow) => {
+                for &position in &claimed {
+                    outcomes[members[position]] = Some(Outcome::Completed);
+                }
+                return Ok(uow);
+            }
+            WholeBatch::Failed(failed) => {
+                uow = failed;
+                uow.rollback_to_savepoint()
+                    .await
+                    .map_err(|e| Abandoned::database("rollback to savepoint", &e))?;
+                self.stats.add(Counter::BatchesSplit);
+            }
+            WholeBatch::Lost(abandoned) => return Err(abandoned),
+        }
+
+        for &position in &claimed {
+            let (i, key) = (members[position], &keys[position]);
             let envelope = Arc::clone(&envelopes[i]);
-            let route = self
-                .routes
-                .get(&envelope.event_type)
-                .ok_or_else(|| Abandoned::new("runtime", "route vanished"))?;
+            let route = self.route(&envelope)?;
             uow.savepoint()
                 .await
                 .map_err(|e| Abandoned::database("savepoint", &e))?;
-            let failure = match route.send(Handle { envelope, uow }).await {
+            let failure = match route.one.send(Handle { envelope, uow }).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
                         outcomes[i] = Some(Outcome::Completed);
@@ -402,6 +463,74 @@ impl Work {
             outcomes[i] = Some(failure);
         }
         Ok(uow)
+    }
+
+    /// Runs the handlers on the claimed messages all at once, one
+    /// [`HandleBatch`] per event type in order of first appearance, then
+    /// records every message.
+    async fn run_whole_batch(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        claimed: &[usize],
+        mut uow: UnitOfWork,
+    ) -> WholeBatch {
+        let mut by_type: Vec<(&str, Vec<Arc<Envelope>>)> = Vec::new();
+        for &position in claimed {
+            let envelope = &envelopes[members[position]];
+            match by_type.iter_mut().find(|(t, _)| *t == envelope.event_type) {
+                Some((_, group)) => group.push(Arc::clone(envelope)),
+                None => by_type.push((&envelope.event_type, vec![Arc::clone(envelope)])),
+            }
+        }
+        for (event_type, group) in by_type {
+            let Some(route) = self.routes.get(event_type) else {
+                return WholeBatch::Lost(Abandoned::new("runtime", "route vanished"));
+            };
+            let size = group.len();
+            match route
+                .batch
+                .send(HandleBatch {
+                    envelopes: group,
+                    uow,
+                })
+                .await
+            {
+                Ok(Handled::Done(done)) => uow = done,
+                Ok(Handled::Failed {
+                    uow: Some(failed),
+                    failure,
+                }) => {
+                    tracing::debug!(
+                        size,
+                        ?failure,
+                        "the handlers failed on the batch; running its messages one at a time"
+                    );
+                    return WholeBatch::Failed(failed);
+                }
+                // A panic took the connection with it, and which message
+                // caused it is unknown: each starts over on its own.
+                Ok(Handled::Failed { uow: None, failure }) => {
+                    let reason = format!("a handler panicked on the batch: {failure:?}");
+                    return WholeBatch::Lost(Abandoned::new("batch", reason));
+                }
+                Err(e) => return WholeBatch::Lost(Abandoned::new("handler actor", e)),
+            }
+        }
+        for &position in claimed {
+            if let Err(e) = self.store.complete(&mut uow, &keys[position]).await {
+                tracing::debug!(error = %e, "recording the batch failed; running its messages one at a time");
+                return WholeBatch::Failed(uow);
+            }
+        }
+        WholeBatch::Done(uow)
+    }
+
+    fn route(&self, envelope: &Envelope) -> Result<&Route, Abandoned> {
+        self.routes
+            .get(&envelope.event_type)
+            .ok_or_else(|| Abandoned::new("runtime", "route vanished"))
     }
 }
 

@@ -3,7 +3,8 @@
 //! Owns the handlers registered for its event type `E`, in registration
 //! order. Receives [`Handle`] from the [`DedupActor`](crate::DedupActor):
 //! deserializes the body into `E` and runs every handler on the message's
-//! unit of work, replying [`Handled`]. A handler that panics fails its
+//! unit of work, replying [`Handled`]; and [`HandleBatch`], the same for
+//! several messages of a batch at once. A handler that panics fails its
 //! message (never the actor's other work) and the actor restarts itself
 //! through its [`Supervisor`](actix::Supervisor), via [`Restart`].
 
@@ -25,7 +26,18 @@ pub struct Handle {
     pub uow: UnitOfWork,
 }
 
-/// The reply to [`Handle`].
+/// Run the handlers for several messages of one type inside one unit of
+/// work, through [`EventHandler::handle_batch`](inbox::EventHandler::handle_batch).
+#[derive(Message)]
+#[rtype(result = "Handled")]
+pub struct HandleBatch {
+    /// The messages, in delivery order.
+    pub envelopes: Vec<Arc<Envelope>>,
+    /// Their open transaction, with their inbox rows claimed.
+    pub uow: UnitOfWork,
+}
+
+/// The reply to [`Handle`] and [`HandleBatch`].
 pub enum Handled {
     /// Every handler succeeded: the unit of work, ready to commit.
     Done(UnitOfWork),
@@ -106,7 +118,17 @@ impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
         let handlers = Arc::clone(&self.handlers);
         let myself = ctx.address();
         let span = msg.envelope.span.clone();
-        Box::pin(run_handlers(handlers, msg, myself).instrument(span))
+        Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself).instrument(span))
+    }
+}
+
+impl<E: IntegrationEvent> actix::Handler<HandleBatch> for HandlerActor<E> {
+    type Result = ResponseFuture<Handled>;
+
+    fn handle(&mut self, msg: HandleBatch, ctx: &mut Context<Self>) -> Self::Result {
+        let handlers = Arc::clone(&self.handlers);
+        let myself = ctx.address();
+        Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself))
     }
 }
 
@@ -118,27 +140,34 @@ impl<E: IntegrationEvent> actix::Handler<Restart> for HandlerActor<E> {
     }
 }
 
+/// Runs every handler on the messages: `handle` for one message,
+/// `handle_batch` for several.
 async fn run_handlers<E: IntegrationEvent>(
     handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
-    Handle { envelope, mut uow }: Handle,
+    envelopes: Vec<Arc<Envelope>>,
+    mut uow: UnitOfWork,
     myself: Addr<HandlerActor<E>>,
 ) -> Handled {
-    let event: E = match serde_json::from_slice(&envelope.body) {
-        Ok(event) => event,
-        Err(e) => {
-            let failure = HandlerFailure::Malformed(format!("body is not a valid `{}`: {e}", E::TYPE));
-            return Handled::Failed {
-                uow: Some(uow),
-                failure,
-            };
+    let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
+    for envelope in &envelopes {
+        match serde_json::from_slice(&envelope.body) {
+            Ok(event) => events.push(event),
+            Err(e) => {
+                let failure = HandlerFailure::Malformed(format!("body is not a valid `{}`: {e}", E::TYPE));
+                return Handled::Failed {
+                    uow: Some(uow),
+                    failure,
+                };
+            }
         }
-    };
+    }
     for handler in handlers.iter() {
         let name = handler.name();
-        match AssertUnwindSafe(handler.handle(&event, &mut uow))
-            .catch_unwind()
-            .await
-        {
+        let handled = match events.as_slice() {
+            [event] => handler.handle(event, &mut uow),
+            events => handler.handle_batch(events, &mut uow),
+        };
+        match AssertUnwindSafe(handled).catch_unwind().await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
                 let failure = HandlerFailure::Failed {

@@ -32,8 +32,8 @@ mod settle;
 mod stats;
 
 pub use consumer::{ConsumerActor, Disconnect, Drain, Flush};
-pub use dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome, Routes};
-pub use handler::{Handle, Handled, HandlerActor, HandlerFailure, Restart};
+pub use dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome, Route, Routes};
+pub use handler::{Handle, HandleBatch, Handled, HandlerActor, HandlerFailure, Restart};
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, StopSweeping, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder};

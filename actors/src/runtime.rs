@@ -15,7 +15,7 @@ use inbox::{
 
 use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain, Link};
-use crate::dedup::{DedupActor, Routes};
+use crate::dedup::{DedupActor, Route, Routes};
 use crate::handler::HandlerActor;
 use crate::publisher::Publisher;
 use crate::retention::{RetentionActor, StopSweeping};
@@ -27,7 +27,7 @@ const IN_PROCESS_CONSUMER: &str = "in_process";
 /// Collects handlers, then [`start`](Self::start)s the runtime.
 pub struct RuntimeBuilder {
     settings: Settings,
-    routes: HashMap<&'static str, Box<dyn Route>>,
+    routes: HashMap<&'static str, Box<dyn Registered>>,
     store: Option<Arc<dyn DynInboxStore>>,
     error: Option<Error>,
 }
@@ -311,20 +311,24 @@ async fn wait_for_signal() -> Result<()> {
 }
 
 /// The handlers of one event type, before their actor starts.
-trait Route {
+trait Registered {
     fn as_any(&mut self) -> &mut dyn Any;
-    fn start(self: Box<Self>) -> Recipient<crate::handler::Handle>;
+    fn start(self: Box<Self>) -> Route;
 }
 
 struct HandlerSet<E>(Vec<Arc<dyn DynEventHandler<E>>>);
 
-impl<E: IntegrationEvent> Route for HandlerSet<E> {
+impl<E: IntegrationEvent> Registered for HandlerSet<E> {
     fn as_any(&mut self) -> &mut dyn Any {
         self
     }
 
-    fn start(self: Box<Self>) -> Recipient<crate::handler::Handle> {
+    fn start(self: Box<Self>) -> Route {
         let handlers = self.0;
-        Supervisor::start(move |_| HandlerActor::new(handlers)).recipient()
+        let actor = Supervisor::start(move |_| HandlerActor::new(handlers));
+        Route {
+            one: actor.clone().recipient(),
+            batch: actor.recipient(),
+        }
     }
 }

@@ -40,6 +40,8 @@ pub(crate) struct Settler {
     pub(crate) failure: FailureSettings,
     pub(crate) stats: Arc<Stats>,
     pub(crate) database: Arc<DatabaseGate>,
+    /// `queues[].concurrent_batches`.
+    pub(crate) concurrent_batches: u16,
 }
 
 /// A decoded delivery waiting for its outcome.
@@ -127,6 +129,7 @@ impl Settler {
         let deliver = DeliverBatch {
             consumer: Arc::clone(&self.consumer),
             envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
+            concurrent_batches: self.concurrent_batches,
         };
         let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
             let abandoned = Abandoned::new("dedup actor", e);

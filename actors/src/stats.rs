@@ -20,6 +20,7 @@ pub struct Stats {
     dead_lettered: AtomicU64,
     unconfirmed_acks: AtomicU64,
     batches: AtomicU64,
+    batches_split: AtomicU64,
     sweeps: AtomicU64,
     sweeps_skipped: AtomicU64,
     swept_rows: AtomicU64,
@@ -52,6 +53,9 @@ pub struct StatsSnapshot {
     pub unconfirmed_acks: u64,
     /// Batches processed (consumers with `batch_size` above 1).
     pub batches: u64,
+    /// Batches whose handlers failed on the batch as a whole, which then ran
+    /// again one message at a time.
+    pub batches_split: u64,
     /// Retention sweeps this instance ran.
     pub sweeps: u64,
     /// Retention rounds skipped because another instance was sweeping.
@@ -74,6 +78,7 @@ pub(crate) enum Counter {
     DeadLettered,
     UnconfirmedAcks,
     Batches,
+    BatchesSplit,
 }
 
 impl Default for Stats {
@@ -88,6 +93,7 @@ impl Default for Stats {
             dead_lettered: AtomicU64::new(0),
             unconfirmed_acks: AtomicU64::new(0),
             batches: AtomicU64::new(0),
+            batches_split: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
             sweeps_skipped: AtomicU64::new(0),
             swept_rows: AtomicU64::new(0),
@@ -135,6 +141,7 @@ impl Stats {
             Counter::DeadLettered => &self.dead_lettered,
             Counter::UnconfirmedAcks => &self.unconfirmed_acks,
             Counter::Batches => &self.batches,
+            Counter::BatchesSplit => &self.batches_split,
         };
         cell.fetch_add(1, Ordering::Relaxed);
     }
@@ -164,6 +171,7 @@ impl Stats {
             dead_lettered: read(&self.dead_lettered),
             unconfirmed_acks: read(&self.unconfirmed_acks),
             batches: read(&self.batches),
+            batches_split: read(&self.batches_split),
             sweeps: read(&self.sweeps),
             sweeps_skipped: read(&self.sweeps_skipped),
             swept_rows: read(&self.swept_rows),

@@ -29,20 +29,54 @@ pub const COUNT_CHECKIN: &str = "INSERT INTO attendee_checkins (attendee_id, che
 pub const COUNT_ATTENDANCE: &str = "INSERT INTO session_attendance (session_id, attendees) VALUES ($1, 1)
      ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + 1";
 
+/// [`COUNT_CHECKIN`] for a whole batch in one statement. Grouped, because
+/// one statement may not update a row twice; ordered, so that concurrent
+/// batches lock their rows in the same order.
+pub const COUNT_CHECKINS: &str = "INSERT INTO attendee_checkins (attendee_id, checkins)
+     SELECT attendee_id, count(*) FROM unnest($1::bigint[]) AS e (attendee_id)
+     GROUP BY attendee_id ORDER BY attendee_id
+     ON CONFLICT (attendee_id) DO UPDATE SET checkins = attendee_checkins.checkins + excluded.checkins";
+
+/// [`COUNT_ATTENDANCE`] for a whole batch in one statement.
+pub const COUNT_ATTENDANCES: &str = "INSERT INTO session_attendance (session_id, attendees)
+     SELECT session_id, count(*) FROM unnest($1::bigint[]) AS e (session_id)
+     GROUP BY session_id ORDER BY session_id
+     ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + excluded.attendees";
+
 /// Counts check-ins per attendee; refuses negative attendee ids (a
 /// deliberate business failure, to show the failure path).
 pub struct CountCheckins;
 
 impl EventHandler<AttendeeCheckedIn> for CountCheckins {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        if event.attendee_id < 0 {
-            return Err(format!("attendee_id {} is negative", event.attendee_id).into());
-        }
+        refuse_negative(event)?;
         let client = uow.client();
         let statement = client.prepare_cached(COUNT_CHECKIN).await?;
         client.execute(&statement, &[&event.attendee_id]).await?;
         Ok(())
     }
+
+    /// One statement for the batch. A negative id fails the batch: the
+    /// runtime then runs its messages one at a time, and only that one fails.
+    async fn handle_batch(
+        &self,
+        events: &[AttendeeCheckedIn],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        events.iter().try_for_each(refuse_negative)?;
+        let ids: Vec<i64> = events.iter().map(|e| e.attendee_id).collect();
+        let client = uow.client();
+        let statement = client.prepare_cached(COUNT_CHECKINS).await?;
+        client.execute(&statement, &[&ids]).await?;
+        Ok(())
+    }
+}
+
+fn refuse_negative(event: &AttendeeCheckedIn) -> Result<(), HandlerError> {
+    if event.attendee_id < 0 {
+        return Err(format!("attendee_id {} is negative", event.attendee_id).into());
+    }
+    Ok(())
 }
 
 /// Counts attendees per session.
@@ -53,6 +87,18 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
         let client = uow.client();
         let statement = client.prepare_cached(COUNT_ATTENDANCE).await?;
         client.execute(&statement, &[&event.session_id]).await?;
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        events: &[AttendeeCheckedIn],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let ids: Vec<i64> = events.iter().map(|e| e.session_id).collect();
+        let client = uow.client();
+        let statement = client.prepare_cached(COUNT_ATTENDANCES).await?;
+        client.execute(&statement, &[&ids]).await?;
         Ok(())
     }
 }

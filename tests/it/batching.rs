@@ -35,24 +35,56 @@ async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
     connection.close(200, "done".into()).await.unwrap();
 }
 
-/// Fails (or panics, with `panic`) on its first call for `key`; otherwise
-/// counts in `second_counts`.
+/// Fails (or panics, with `panic`) on its first `times` calls for `key`
+/// (at least one); otherwise counts in `second_counts`.
 #[derive(Default)]
 struct FailsOnce {
     key: i64,
+    times: usize,
     calls: Arc<AtomicUsize>,
     panic: bool,
 }
 
 impl EventHandler<Counted> for FailsOnce {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) < self.times.max(1) {
             if self.panic {
-                panic!("panics once on purpose");
+                panic!("panics on purpose");
             }
-            return Err("fails once on purpose".into());
+            return Err("fails on purpose".into());
         }
         increment(uow, "second_counts", event.key).await
+    }
+}
+
+/// Counts a whole batch in one set-based statement, and remembers the size
+/// of every batch it was given. Fails a batch holding `poison`.
+#[derive(Default)]
+struct CountSetBased {
+    poison: Option<i64>,
+    batch_sizes: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl EventHandler<Counted> for CountSetBased {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        self.handle_batch(std::slice::from_ref(event), uow).await
+    }
+
+    async fn handle_batch(&self, events: &[Counted], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        self.batch_sizes.lock().unwrap().push(events.len());
+        if events.iter().any(|e| Some(e.key) == self.poison) {
+            return Err("a poisoned key".into());
+        }
+        let keys: Vec<i64> = events.iter().map(|e| e.key).collect();
+        uow.client()
+            .execute(
+                "INSERT INTO counts (key, n)
+                 SELECT key, count(*) FROM unnest($1::bigint[]) AS e (key) GROUP BY key ORDER BY key
+                 ON CONFLICT (key) DO UPDATE SET n = counts.n + excluded.n",
+                &[&keys],
+            )
+            .await?;
+        Ok(())
     }
 }
 
@@ -72,15 +104,15 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
     let settings = batching(&env);
     let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
     prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
-    let calls = Arc::new(AtomicUsize::new(0));
-    let fails_once = FailsOnce {
+    // Fails on the whole batch and again alone: it is the one to fail.
+    let fails_twice = FailsOnce {
         key: 5,
-        calls: Arc::clone(&calls),
+        times: 2,
         ..FailsOnce::default()
     };
     let runtime = Runtime::builder(settings)
         .handler(Count)
-        .handler(fails_once)
+        .handler(fails_twice)
         .start()
         .await
         .unwrap();
@@ -93,10 +125,11 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
         stats.batches >= 1 && stats.batches < 16,
         "no batches formed: {stats:?}"
     );
+    assert_eq!(stats.batches_split, 1, "{stats:?}");
     assert_eq!(stats.abandoned, 1, "only the failing message failed: {stats:?}");
     let (first, second) = (counts(&env, "counts").await, counts(&env, "second_counts").await);
-    // Count ran for key 5 before FailsOnce failed; had that write survived
-    // the savepoint rollback, key 5 would read 2.
+    // Count ran for key 5 before FailsOnce failed, on the batch and alone;
+    // had either write survived its rollback, key 5 would read 2 or 3.
     assert_eq!(first.len(), 16);
     assert!(first.values().all(|&n| n == 1), "{first:?}");
     assert_eq!(second.len(), 16);
@@ -237,6 +270,7 @@ async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery()
         .send(DeliverBatch {
             consumer: env.queue.as_str().into(),
             envelopes,
+            concurrent_batches: 1,
         })
         .await
         .unwrap();
@@ -285,5 +319,70 @@ async fn a_store_with_only_the_required_methods_works_in_batches() {
     let counts = counts(&env, "second_counts").await;
     assert_eq!(counts, HashMap::from([(1, 1), (2, 1), (3, 1)]));
     assert_eq!(env.scalar("SELECT count(*) FROM my_inbox").await, 3);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_set_based_handler_gets_whole_batches_and_a_failure_isolates_one_message() {
+    let env = TestEnv::new("batch_set_based").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..16)
+        .map(|key| Message::new(Counted { key: key % 4 }))
+        .collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    let batch_sizes = Arc::default();
+    let handler = CountSetBased {
+        poison: Some(3),
+        batch_sizes: Arc::clone(&batch_sizes),
+    };
+    let runtime = Runtime::builder(settings).handler(handler).start().await.unwrap();
+
+    // The four messages of key 3 fail alone, every attempt; the others commit.
+    wait_until("the 12 others complete and key 3 is dead-lettered", || async {
+        let s = runtime.stats();
+        s.completed == 12 && s.dead_lettered == 4
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    let sizes = batch_sizes.lock().unwrap().clone();
+    assert!(sizes.iter().any(|&n| n > 1), "never given a batch: {sizes:?}");
+    assert!(stats.batches_split >= 1, "{stats:?}");
+    assert_eq!(
+        counts(&env, "counts").await,
+        HashMap::from([(0, 4), (1, 4), (2, 4)]),
+        "key 3 must have no effect, the others exactly theirs"
+    );
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 12);
+    assert_eq!(env.ready(&env.queue).await, 0);
+    assert_eq!(env.ready(&format!("{}.error", env.queue)).await, 4);
+}
+
+#[actix_rt::test]
+async fn concurrent_batches_of_set_based_handlers_count_hot_keys_exactly() {
+    let env = TestEnv::new("batch_concurrent").await;
+    let mut settings = batching(&env);
+    settings.queues[0].batch_size = 4;
+    settings.queues[0].concurrent_batches = 4;
+    // 400 messages on 5 hot keys: every batch shares rows with the others.
+    let messages: Vec<_> = (0..400).map(|i| Message::new(Counted { key: i % 5 })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    let runtime = Runtime::builder(settings)
+        .handler(CountSetBased::default())
+        .start()
+        .await
+        .unwrap();
+
+    wait_until("all 400 complete", || async { runtime.stats().completed == 400 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert!(stats.batches > 1, "{stats:?}");
+    assert_eq!(stats.abandoned, 0, "a batch failed (a deadlock?): {stats:?}");
+    assert_eq!(
+        counts(&env, "counts").await,
+        HashMap::from([(0, 80), (1, 80), (2, 80), (3, 80), (4, 80)])
+    );
     assert_eq!(env.ready(&env.queue).await, 0);
 }

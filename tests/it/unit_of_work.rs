@@ -124,3 +124,20 @@ async fn commit_and_rollback_keep_the_connection_for_reuse() {
     assert_eq!(next_connection_state(&pool).await, (false, pid));
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 1);
 }
+
+#[actix_rt::test]
+async fn rolling_back_to_a_savepoint_forgets_the_records_staged_since() {
+    let env = TestEnv::new("uow_savepoint_staging").await;
+    let pool = inbox::create_pool(&env.settings()).unwrap();
+    let mut uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
+    let (before, after) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    uow.stage(before);
+    uow.savepoint().await.unwrap();
+    uow.stage(after);
+    uow.rollback_to_savepoint().await.unwrap();
+    // The row staged after the savepoint is gone with the rollback; a store
+    // trusting the stale mark would skip writing it again.
+    assert!(uow.is_staged(before));
+    assert!(!uow.is_staged(after));
+    uow.rollback().await.unwrap();
+}
