@@ -2,6 +2,7 @@
 //! the pool unfinished.
 
 use deadpool_postgres::{ClientWrapper, Object};
+use futures_util::FutureExt;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
@@ -30,6 +31,8 @@ pub struct UnitOfWork {
     /// Messages whose inbox record is written (staged) in this
     /// transaction; see [`InboxStore::complete`](crate::InboxStore::complete).
     staged: Vec<Uuid>,
+    /// How many savepoints were made; the open one is `s<count>`.
+    savepoints: u32,
     /// The staged records as they were at the open savepoint (batches keep
     /// one open at a time), or `None` when no savepoint is open.
     staged_at_savepoint: Option<Vec<Uuid>>,
@@ -47,6 +50,7 @@ impl UnitOfWork {
             connection: Some(connection),
             finished: false,
             staged: Vec::new(),
+            savepoints: 0,
             staged_at_savepoint: None,
         };
         uow.client().batch_execute("BEGIN").await?;
@@ -87,26 +91,38 @@ impl UnitOfWork {
     /// message): what follows can be undone by
     /// [`rollback_to_savepoint`](Self::rollback_to_savepoint) without
     /// touching what came before. One savepoint is kept open at a time (the
-    /// previous one is released in the same round trip), so a batch never
+    /// previous one is released in the same request), so a batch never
     /// nests subtransactions.
-    pub async fn savepoint(&mut self) -> Result<()> {
-        let sql = if self.staged_at_savepoint.is_some() {
-            "RELEASE SAVEPOINT message; SAVEPOINT message"
-        } else {
-            "SAVEPOINT message"
+    ///
+    /// Sent without waiting for the answer: tokio-postgres sends a request
+    /// when its future is first polled and runs requests in that order, so
+    /// the savepoint reaches the server ahead of the next statement, in the
+    /// same pipeline, and a batch saves a round trip. It fails at once only
+    /// if the connection is closed. Any other failure still shows: it aborts
+    /// the transaction, so every later statement fails, and so do
+    /// [`commit`](Self::commit) and `rollback_to_savepoint` (each savepoint
+    /// has a name of its own, and this one was never made), so a rollback
+    /// can never land on an older savepoint and undo work reported as done.
+    pub fn savepoint(&mut self) -> Result<()> {
+        let sql = match self.savepoints {
+            0 => "SAVEPOINT s1".to_owned(),
+            n => format!("RELEASE SAVEPOINT s{n}; SAVEPOINT s{}", n + 1),
         };
-        self.client().batch_execute(sql).await?;
+        if let Some(Err(e)) = self.client().batch_execute(&sql).now_or_never() {
+            return Err(e.into());
+        }
+        self.savepoints += 1;
         self.staged_at_savepoint = Some(self.staged.clone());
         Ok(())
     }
 
     /// Undoes everything since the last [`savepoint`](Self::savepoint),
     /// including a failed statement, and forgets the records staged since:
-    /// their rows are gone. The transaction can go on.
+    /// their rows are gone. The transaction can go on. Fails if no savepoint
+    /// was made, or if making the last one failed.
     pub async fn rollback_to_savepoint(&mut self) -> Result<()> {
-        self.client()
-            .batch_execute("ROLLBACK TO SAVEPOINT message")
-            .await?;
+        let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.savepoints);
+        self.client().batch_execute(&sql).await?;
         if let Some(staged) = &self.staged_at_savepoint {
             self.staged.clone_from(staged);
         }

@@ -397,7 +397,6 @@ impl Work {
         }
 
         uow.savepoint()
-            .await
             .map_err(|e| Abandoned::database("savepoint", &e))?;
         match self
             .run_whole_batch(envelopes, members, keys, &claimed, uow)
@@ -424,7 +423,6 @@ impl Work {
             let envelope = Arc::clone(&envelopes[i]);
             let route = self.route(&envelope)?;
             uow.savepoint()
-                .await
                 .map_err(|e| Abandoned::database("savepoint", &e))?;
             let failure = match route.one.send(Handle { envelope, uow }).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {

@@ -386,3 +386,64 @@ async fn concurrent_batches_of_set_based_handlers_count_hot_keys_exactly() {
     );
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+/// For `key`, runs a failing statement and returns Ok all the same: the
+/// transaction is aborted behind the runtime's back.
+struct SwallowsAnError {
+    key: i64,
+}
+
+impl EventHandler<Counted> for SwallowsAnError {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == self.key {
+            let _ignored = uow.client().batch_execute("SELECT 1/0").await;
+        }
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_handler_that_swallows_a_failed_statement_in_a_batch_gets_nothing_acked_without_effect() {
+    let env = TestEnv::new("batch_swallowed_error").await;
+    let settings = batching(&env);
+    let messages: Vec<_> = (0..8).map(|key| Message::new(Counted { key })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    // Failing key 7 once fails the whole batch, before key 3's turn: the
+    // batch then runs one message at a time, a savepoint each.
+    let fails_once = FailsOnce {
+        key: 7,
+        ..FailsOnce::default()
+    };
+    let runtime = Runtime::builder(settings)
+        .handler(Count)
+        .handler(fails_once)
+        .handler(SwallowsAnError { key: 3 })
+        .start()
+        .await
+        .unwrap();
+
+    // After key 3 the transaction is aborted: key 4's savepoint fails and
+    // so does everything after it, the commit included. Rolling back to an
+    // older savepoint instead would undo key 3 and commit the rest, acking
+    // key 3 without its effect. Key 3 can never commit.
+    wait_until("all 8 are settled", || async {
+        let s = runtime.stats();
+        s.completed + s.dead_lettered == 8
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!((stats.completed, stats.dead_lettered), (7, 1), "{stats:?}");
+    assert!(stats.batches_split >= 1, "{stats:?}");
+    let expected: HashMap<i64, i64> = (0..8).filter(|&k| k != 3).map(|k| (k, 1)).collect();
+    for table in ["counts", "second_counts"] {
+        assert_eq!(
+            counts(&env, table).await,
+            expected,
+            "{table}: an acked message lost its effect, or one took effect twice"
+        );
+    }
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 7);
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
