@@ -31,13 +31,17 @@
 //!
 //! The queue has a connection of its own. lapin's recovery replays it after
 //! a network fault or a broker restart; if the consumer ends all the same
-//! (recovery gave up, the queue was deleted), the actor reconnects with a
-//! growing pause, declares the topology again and consumes anew.
+//! (recovery gave up, the queue was deleted) or the broker closes its
+//! channel (a delivery unacked past RabbitMQ's `consumer_timeout`), the
+//! actor reconnects with a growing pause, declares the topology again and
+//! consumes anew.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use futures_util::future::ready;
+use futures_util::stream::{self, Stream, StreamExt};
 use inbox::amqp;
 use inbox::lapin::message::Delivery;
 use inbox::lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
@@ -79,6 +83,9 @@ pub struct ConsumerActor {
     channel: Channel,
     tag: ShortString,
     stream: Option<Consumer>,
+    /// Which link the connection, channel and stream belong to: counts the
+    /// reconnects, so that the end of an abandoned link's stream is ignored.
+    link: u64,
     in_flight: usize,
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
@@ -136,6 +143,27 @@ impl Link {
 /// The first pause before reconnecting; doubled up to [`MAX_RECONNECT_PAUSE`].
 const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(30);
+/// How long after a consumer stream error to look whether lapin is
+/// recovering the channel, or the broker closed it for good.
+const CHANNEL_CHECK_PAUSE: Duration = Duration::from_secs(1);
+
+/// An item of a link's consumer stream, tagged with the link.
+struct Consumed {
+    link: u64,
+    /// `None` marks the end of the stream: the consumer was cancelled, by
+    /// the runtime at shutdown or by the broker.
+    delivery: Option<inbox::lapin::Result<Delivery>>,
+}
+
+/// `stream` with each item tagged with `link`, and an end marker.
+fn tagged(stream: Consumer, link: u64) -> impl Stream<Item = Consumed> {
+    stream
+        .map(move |delivery| Consumed {
+            link,
+            delivery: Some(delivery),
+        })
+        .chain(stream::once(ready(Consumed { link, delivery: None })))
+}
 
 impl ConsumerActor {
     /// An actor consuming `queue` over `link`.
@@ -166,6 +194,7 @@ impl ConsumerActor {
             channel: link.channel,
             tag: link.stream.tag(),
             stream: Some(link.stream),
+            link: 0,
             in_flight: 0,
             draining: false,
             drained: Vec::new(),
@@ -216,19 +245,30 @@ impl Actor for ConsumerActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         if let Some(stream) = self.stream.take() {
-            ctx.add_stream(stream);
+            ctx.add_stream(tagged(stream, self.link));
         }
         let settler = &self.settler;
         tracing::info!(queue = %settler.queue, consumer = %settler.consumer, "consuming");
     }
 }
 
-impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
-    fn handle(&mut self, item: inbox::lapin::Result<Delivery>, ctx: &mut Context<Self>) {
-        let delivery = match item {
-            Ok(delivery) => delivery,
-            Err(e) => {
+impl StreamHandler<Consumed> for ConsumerActor {
+    fn handle(&mut self, item: Consumed, ctx: &mut Context<Self>) {
+        let delivery = match item.delivery {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(e)) => {
                 tracing::warn!(queue = %self.settler.queue, error = %e, "consumer stream error");
+                if item.link == self.link {
+                    ctx.run_later(CHANNEL_CHECK_PAUSE, move |actor, ctx| {
+                        actor.check_channel(item.link, ctx)
+                    });
+                }
+                return;
+            }
+            None => {
+                if item.link == self.link {
+                    self.on_stream_end(ctx);
+                }
                 return;
             }
         };
@@ -265,7 +305,15 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
         }
     }
 
-    fn finished(&mut self, ctx: &mut Context<Self>) {
+    fn finished(&mut self, _ctx: &mut Context<Self>) {
+        // Every stream ends with a `Consumed` without a delivery, handled
+        // above; the default would stop the actor.
+    }
+}
+
+impl ConsumerActor {
+    /// The current link's consumer stream ended.
+    fn on_stream_end(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
             // lapin's own recovery gave up, or the broker cancelled the
             // consumer (the queue was deleted): start over.
@@ -280,14 +328,27 @@ impl StreamHandler<inbox::lapin::Result<Delivery>> for ConsumerActor {
             ctx.stop();
         }
     }
-}
 
-impl ConsumerActor {
+    /// A while after a stream error on `link`: lapin recovers what a lost
+    /// connection takes down, but not a channel the broker closed by itself
+    /// (a delivery unacked past its `consumer_timeout`, an unknown delivery
+    /// tag). Then the consumer is gone for good and its stream never ends,
+    /// so start over.
+    fn check_channel(&mut self, link: u64, ctx: &mut Context<Self>) {
+        let status = self.channel.status();
+        if link == self.link && !self.draining && !status.connected() && !status.reconnecting() {
+            tracing::warn!(queue = %self.queue.name, "the broker closed the consumer's channel; reconnecting");
+            self.reconnect(ctx);
+        }
+    }
+
     /// Opens a new link with a growing pause between tries, then consumes
     /// from it. Messages still in flight on the old link settle there as
     /// they can; an ack that no longer reaches the broker means a
     /// redelivery, which the inbox skips.
     fn reconnect(&mut self, ctx: &mut Context<Self>) {
+        // From here on, what the old link's stream says is of no concern.
+        self.link += 1;
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
         let opening = async move {
             let _ = old.close(320, "reconnecting".into()).await;
@@ -319,7 +380,7 @@ impl ConsumerActor {
                 ..(*actor.settler).clone()
             };
             actor.settler = Arc::new(settler);
-            ctx.add_stream(link.stream);
+            ctx.add_stream(tagged(link.stream, actor.link));
             tracing::info!(queue = %actor.queue.name, "consuming again");
         }));
     }
