@@ -41,10 +41,12 @@ pub enum Claim {
 /// Implement the two required methods; the provided ones build the
 /// runtime's protocol on them, so a hand-written store works as is: one
 /// message is `try_begin` → handlers → `complete` → commit (or rollback); a
-/// batch is `try_begin_batch`, then per message a savepoint → handlers →
-/// `complete` (or rollback to the savepoint → `abandon`), then one commit. Every method runs inside
-/// the message's [`UnitOfWork`]: what they write commits with the handlers'
-/// writes or not at all.
+/// batch is `try_begin_batch` → a savepoint → handlers on the whole batch →
+/// `complete` for each, then one commit; if any of that fails, rollback to
+/// the savepoint, then per message a savepoint → handlers → `complete` (or
+/// rollback to the savepoint → `abandon`), then one commit. Every method
+/// runs inside the message's [`UnitOfWork`]: what they write commits with
+/// the handlers' writes or not at all.
 pub trait InboxStore: Send + Sync + 'static {
     /// Whether `key` was processed (and committed) before.
     fn already_processed(
@@ -76,7 +78,8 @@ pub trait InboxStore: Send + Sync + 'static {
     /// [`abandon`](Self::abandon) for a message that then fails alone.
     /// Default: [`already_processed`](Self::already_processed) for each key,
     /// staging nothing, so that [`complete`](Self::complete) records each
-    /// message inside its own savepoint.
+    /// message after its handlers, inside a savepoint that also undoes the
+    /// record if the batch (or the message) fails.
     fn try_begin_batch(
         &self,
         uow: &mut UnitOfWork,
