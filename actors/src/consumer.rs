@@ -19,8 +19,10 @@
 //! With `batch_size` above 1, deliveries that arrive together are buffered
 //! until the actor has handled every one that is ready ([`Flush`]), then
 //! sent as one [`DeliverBatch`](crate::DeliverBatch); each delivery is settled from its own
-//! outcome, after the batch's commit. A batch fills up to `batch_size`, and
-//! at most `prefetch / batch_size` batches run at once.
+//! outcome, after the batch's commit. A batch fills up to `batch_size`; a
+//! partial one is sent only when no other batch of the queue is in flight
+//! (meanwhile, more deliveries arrive to fill it), and at most
+//! `prefetch / batch_size` batches are in flight at once.
 //!
 //! A move publishes the copy, with its [fault headers](inbox::fault), and
 //! waits for the broker's confirm before acking the original: a crash in
@@ -210,10 +212,16 @@ impl ConsumerActor {
     }
 
     /// Sends buffered deliveries as batches while fewer than the maximum
-    /// are running.
+    /// are running: full ones, or a partial one when none is running.
     fn dispatch_batches(&mut self, ctx: &mut Context<Self>) {
         while !self.batching.buffer.is_empty() && self.batching.in_flight < self.batching.max_in_flight {
             let take = self.batching.buffer.len().min(self.batching.size);
+            if take < self.batching.size && self.batching.in_flight > 0 {
+                // Fuller batches, fewer commits: while a batch runs, the
+                // prefetch window lets more deliveries arrive to fill this
+                // one. Once none runs, it goes as it is.
+                break;
+            }
             let batch: Vec<Pending> = self.batching.buffer.drain(..take).collect();
             self.batching.in_flight += 1;
             let work = Arc::clone(&self.settler).settle_batch(batch);

@@ -421,7 +421,7 @@ impl Work {
         for &position in &claimed {
             let (i, key) = (members[position], &keys[position]);
             let envelope = Arc::clone(&envelopes[i]);
-            let route = self.route(&envelope)?;
+            let route = self.route(&envelope.event_type)?;
             uow.savepoint()
                 .map_err(|e| Abandoned::database("savepoint", &e))?;
             let failure = match route.one.send(Handle { envelope, uow }).await {
@@ -483,8 +483,9 @@ impl Work {
             }
         }
         for (event_type, group) in by_type {
-            let Some(route) = self.routes.get(event_type) else {
-                return WholeBatch::Lost(Abandoned::new("runtime", "route vanished"));
+            let route = match self.route(event_type) {
+                Ok(route) => route,
+                Err(abandoned) => return WholeBatch::Lost(abandoned),
             };
             let size = group.len();
             match route
@@ -525,9 +526,10 @@ impl Work {
         WholeBatch::Done(uow)
     }
 
-    fn route(&self, envelope: &Envelope) -> Result<&Route, Abandoned> {
+    /// The route of a type that had one when the batch was sorted.
+    fn route(&self, event_type: &str) -> Result<&Route, Abandoned> {
         self.routes
-            .get(&envelope.event_type)
+            .get(event_type)
             .ok_or_else(|| Abandoned::new("runtime", "route vanished"))
     }
 }
