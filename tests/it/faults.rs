@@ -134,3 +134,66 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
 }
+
+/// Has the broker close every channel consuming from `queue` with a
+/// channel error (PRECONDITION_FAILED), as RabbitMQ does to a consumer that
+/// holds a delivery past its `consumer_timeout`: the channel process is
+/// handed an ack of a delivery tag it never sent. (Through the broker's
+/// internals, as RabbitMQ 3.10 has them: nothing outside can close another
+/// client's channel.)
+fn broker_closes_the_consumer_channels(queue: &str) {
+    let erlang = format!(
+        r#"[rabbit_channel:do(proplists:get_value(channel_pid, C), {{'basic.ack', 999999, false}})
+            || C <- rabbit_amqqueue:consumers_all(<<"/">>),
+               element(4, proplists:get_value(queue_name, C)) =:= <<"{queue}">>]."#
+    );
+    let output = std::process::Command::new("rabbitmqctl")
+        .args(["eval", &erlang])
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(output.status.success(), "rabbitmqctl eval: {output:?}");
+}
+
+#[actix_rt::test]
+async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
+    let env = TestEnv::new("channel_closed").await;
+    let runtime = Runtime::builder(env.settings())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let publisher = runtime.publisher().clone();
+    let consumers = || async {
+        let connection = crate::support::amqp().await;
+        let probe = connection.create_channel().await.unwrap();
+        let passive = inbox::lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        probe
+            .queue_declare(env.queue.as_str().into(), passive, Default::default())
+            .await
+            .unwrap()
+            .consumer_count()
+    };
+    assert_eq!(consumers().await, 1);
+
+    broker_closes_the_consumer_channels(&env.queue);
+    wait_until("the consumer is gone", || async { consumers().await == 0 }).await;
+    // lapin does not reopen a channel the broker closed; the actor must.
+    wait_until("the consumer is back", || async { consumers().await == 1 }).await;
+    for key in 0..5 {
+        publisher
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the messages complete", || async {
+        runtime.stats().completed == 5
+    })
+    .await;
+    runtime.shutdown().await;
+    for key in 0..5 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+}
