@@ -2,8 +2,12 @@
 //! counts check-ins per attendee and attendance per session, exactly once.
 //!
 //! ```text
-//! cargo run --example checkin_service [-- --queue NAME]
+//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N]
 //! ```
+//!
+//! With `--batch-size N` above 1 the queue runs batches of up to N
+//! deliveries (`queues[].batch_size`), which the handlers write with one
+//! set-based statement each.
 //!
 //! Two handlers write in the message's one transaction, so a redelivery
 //! counted twice would show. An event with a negative `attendee_id` fails
@@ -35,7 +39,14 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> inbox::Result<()> {
-    let settings = common::settings()?;
+    let mut settings = common::settings()?;
+    if common::arg("--batch-size").is_some() {
+        let size = common::parsed_arg("--batch-size", 1u16);
+        for queue in &mut settings.queues {
+            queue.batch_size = size;
+        }
+        settings.validate()?;
+    }
     common::create_tables(&settings).await?;
     let runtime = Runtime::builder(settings)
         .handler(CountCheckins)
@@ -56,6 +67,7 @@ async fn run() -> inbox::Result<()> {
                 duplicates_skipped = s.duplicates,
                 failed = s.abandoned,
                 set_aside = s.rejected + s.skipped,
+                batches = s.batches,
                 "progress"
             );
         }

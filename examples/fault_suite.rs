@@ -2,7 +2,7 @@
 //! around it, then checks that nothing was lost and nothing applied twice.
 //!
 //! ```text
-//! cargo run --example fault_suite            # or: tests/fault_suite.sh
+//! cargo run --example fault_suite [-- --batch-size N]   # or: tests/fault_suite.sh
 //! ```
 //!
 //! It starts `examples/checkin_service` (built beside this binary) on a
@@ -13,7 +13,8 @@
 //! connection, restarts PostgreSQL and restarts the RabbitMQ application.
 //! Then it stops the service with SIGTERM (which must exit 0) and checks the
 //! database and the queues. It prints one line and fails unless `lost=0`,
-//! `duplicated=0` and every other check holds.
+//! `duplicated=0` and every other check holds. With `--batch-size N` the
+//! service runs batches of up to N deliveries.
 //!
 //! It restarts the machine's PostgreSQL and RabbitMQ: run it where nothing
 //! else uses them. Honours `DATABASE_URL` (a server, whose `postgres`
@@ -76,6 +77,8 @@ struct Suite {
     queue: String,
     service: std::path::PathBuf,
     database_url: String,
+    /// `--batch-size`, passed on to the service.
+    batch_size: u16,
     kills: usize,
     db_restarts: usize,
     broker_restarts: usize,
@@ -106,12 +109,17 @@ async fn run() -> Result<bool> {
     );
     common::recreate_database(&settings, DATABASE).await?;
 
+    let batch_size: u16 = common::parsed_arg("--batch-size", 1);
+    if batch_size > 1 {
+        eprintln!("fault_suite: the service runs batches of up to {batch_size}");
+    }
     let mut suite = Suite {
         started,
         settings,
         queue,
         service,
         database_url,
+        batch_size,
         kills: 0,
         db_restarts: 0,
         broker_restarts: 0,
@@ -173,7 +181,12 @@ impl Suite {
 
     fn start_service(&self) -> Result<Child> {
         Command::new(&self.service)
-            .args(["--queue", &self.queue])
+            .args([
+                "--queue",
+                &self.queue,
+                "--batch-size",
+                &self.batch_size.to_string(),
+            ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
             .env("INBOX__FAILURE__DELAYS", DELAYS)

@@ -7,4 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --example checkin_service --example fault_suite
-exec timeout 300 target/debug/examples/fault_suite
+# One message per transaction, then batches of up to 8.
+timeout 300 target/debug/examples/fault_suite
+timeout 300 target/debug/examples/fault_suite --batch-size 8
