@@ -186,6 +186,7 @@ impl ConsumerActor {
             stats,
             database,
             concurrent_batches: queue.concurrent_batches,
+            window: Arc::default(),
         };
         let size = usize::from(queue.batch_size);
         Self {
@@ -280,6 +281,13 @@ impl StreamHandler<Consumed> for ConsumerActor {
                 return;
             }
         };
+        if item.link != self.link {
+            // Late from an abandoned link, whose connection is closing: the
+            // broker requeues it. (Its tags mean nothing on the new channel.)
+            return;
+        }
+        // Every delivery, handled or not: a `multiple` ack must not pass it.
+        let ticket = self.settler.window.track(&delivery);
         if self.draining {
             // Left unacked: the broker requeues it when the channel closes.
             return;
@@ -287,14 +295,14 @@ impl StreamHandler<Consumed> for ConsumerActor {
         self.in_flight += 1;
         let arrived = Instant::now();
         if self.batching.size == 1 {
-            let work = Arc::clone(&self.settler).settle(delivery, arrived);
+            let work = Arc::clone(&self.settler).settle(delivery, ticket, arrived);
             ctx.spawn(
                 work.into_actor(self)
                     .map(|(), actor, ctx| actor.message_done(ctx)),
             );
             return;
         }
-        match self.settler.prepare(delivery, arrived) {
+        match self.settler.prepare(delivery, ticket, arrived) {
             Ok(pending) => {
                 self.batching.buffer.push(pending);
                 if !self.batching.flush_scheduled {
@@ -385,6 +393,7 @@ impl ConsumerActor {
             actor.tag = link.stream.tag();
             let settler = Settler {
                 forwarder: link.forwarder,
+                window: Arc::default(),
                 ..(*actor.settler).clone()
             };
             actor.settler = Arc::new(settler);

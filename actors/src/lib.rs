@@ -21,6 +21,7 @@
 //! - [`Publisher`]: publishes over the broker, or in process.
 //! - [`Stats`]: what happened to the messages, for logs and metrics.
 
+mod acks;
 mod availability;
 mod consumer;
 mod dedup;

@@ -17,10 +17,11 @@ use futures_util::future::join_all;
 use inbox::amqp::{error_queue, retry_queue, skipped_queue};
 use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicAckOptions, BasicNackOptions};
+use inbox::lapin::options::BasicNackOptions;
 use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings};
 use tracing::Instrument;
 
+use crate::acks::{AckWindow, Ticket};
 use crate::availability::DatabaseGate;
 use crate::dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome};
 use crate::stats::{Counter, Stats};
@@ -42,11 +43,14 @@ pub(crate) struct Settler {
     pub(crate) database: Arc<DatabaseGate>,
     /// `queues[].concurrent_batches`.
     pub(crate) concurrent_batches: u16,
+    /// The consuming channel's unsettled deliveries; one per link.
+    pub(crate) window: Arc<AckWindow>,
 }
 
 /// A decoded delivery waiting for its outcome.
 pub(crate) struct Pending {
     delivery: Delivery,
+    ticket: Ticket,
     envelope: Arc<Envelope>,
     history: FailureHistory,
     arrived: Instant,
@@ -55,6 +59,7 @@ pub(crate) struct Pending {
 /// A delivery that can never be processed, and why.
 pub(crate) struct Malformed {
     delivery: Delivery,
+    ticket: Ticket,
     reason: String,
     stage: &'static str,
     history: FailureHistory,
@@ -65,6 +70,7 @@ impl Settler {
     pub(crate) fn prepare(
         &self,
         mut delivery: Delivery,
+        ticket: Ticket,
         arrived: Instant,
     ) -> Result<Pending, Box<Malformed>> {
         let history = FailureHistory::read(
@@ -82,6 +88,7 @@ impl Settler {
             );
             return Err(Box::new(Malformed {
                 delivery,
+                ticket,
                 reason,
                 stage: "consumer",
                 history,
@@ -95,12 +102,14 @@ impl Settler {
         ) {
             Ok(envelope) => Ok(Pending {
                 delivery,
+                ticket,
                 envelope: Arc::new(envelope),
                 history,
                 arrived,
             }),
             Err(e) => Err(Box::new(Malformed {
                 delivery,
+                ticket,
                 reason: e.to_string(),
                 stage: "decode",
                 history,
@@ -110,8 +119,8 @@ impl Settler {
 
     /// Runs one delivery through the inbox and the failure policy, and
     /// settles it with the broker.
-    pub(crate) async fn settle(self: Arc<Self>, delivery: Delivery, arrived: Instant) {
-        match self.prepare(delivery, arrived) {
+    pub(crate) async fn settle(self: Arc<Self>, delivery: Delivery, ticket: Ticket, arrived: Instant) {
+        match self.prepare(delivery, ticket, arrived) {
             Ok(pending) => self.process(pending, None).await,
             Err(malformed) => self.set_aside(malformed).await,
         }
@@ -135,9 +144,22 @@ impl Settler {
             let abandoned = Abandoned::new("dedup actor", e);
             vec![Outcome::Abandoned(abandoned); batch.len()]
         });
-        let settled = batch
+        // The ones to ack go together, often as one `multiple` ack; the
+        // others take their own paths.
+        let (done, others): (Vec<_>, Vec<_>) = batch
             .into_iter()
             .zip(outcomes)
+            .partition(|(_, outcome)| matches!(outcome, Outcome::Completed | Outcome::Duplicate));
+        let acks: Vec<(&Delivery, Ticket)> = done.iter().map(|(p, _)| (&p.delivery, p.ticket)).collect();
+        let results = self.window.ack_all(&acks).await;
+        for ((pending, outcome), result) in done.iter().zip(results) {
+            let _span = pending.envelope.span.enter();
+            tracing::debug!(?outcome, "acked");
+            check_settled(result, "ack", &self.stats);
+            self.stats.record_latency(pending.arrived.elapsed());
+        }
+        let settled = others
+            .into_iter()
             .map(|(pending, outcome)| self.process(pending, Some(outcome)));
         join_all(settled).await;
     }
@@ -146,6 +168,7 @@ impl Settler {
     pub(crate) async fn set_aside(self: Arc<Self>, malformed: Box<Malformed>) {
         let Malformed {
             delivery,
+            ticket,
             reason,
             stage,
             history,
@@ -159,8 +182,14 @@ impl Settler {
         );
         self.stats.add(Counter::Rejected);
         let fault = self.fault(&reason, stage, history);
-        self.move_to(&error_queue(&self.queue), &delivery, &delivery.data, &fault)
-            .await;
+        self.move_to(
+            &error_queue(&self.queue),
+            &delivery,
+            ticket,
+            &delivery.data,
+            &fault,
+        )
+        .await;
     }
 
     /// Settles one message: from `first`, the outcome of an attempt already
@@ -169,6 +198,7 @@ impl Settler {
     async fn process(&self, pending: Pending, mut first: Option<Outcome>) {
         let Pending {
             delivery,
+            ticket,
             envelope,
             mut history,
             arrived,
@@ -194,7 +224,7 @@ impl Settler {
                 match outcome {
                     Outcome::Completed | Outcome::Duplicate => {
                         tracing::debug!(?outcome, "acking");
-                        ack(&delivery, &self.stats).await;
+                        self.ack(&delivery, ticket).await;
                         self.stats.record_latency(arrived.elapsed());
                         return;
                     }
@@ -202,7 +232,7 @@ impl Settler {
                         tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
                         // Counted as rejected by the dedup actor.
                         let fault = self.fault(&reason, "deserialize", history);
-                        self.move_to(&error_queue(&self.queue), &delivery, &envelope.body, &fault)
+                        self.move_to(&error_queue(&self.queue), &delivery, ticket, &envelope.body, &fault)
                             .await;
                         return;
                     }
@@ -210,7 +240,7 @@ impl Settler {
                         let reason = format!("no handler registered for type `{}`", envelope.event_type);
                         tracing::warn!("{reason}; moving it to the skipped queue");
                         let fault = self.fault(&reason, "dispatch", history);
-                        self.move_to(&skipped_queue(&self.queue), &delivery, &envelope.body, &fault)
+                        self.move_to(&skipped_queue(&self.queue), &delivery, ticket, &envelope.body, &fault)
                             .await;
                         return;
                     }
@@ -255,7 +285,7 @@ impl Settler {
                 "attempts failed; moving it to {to}"
             );
             let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
-            if self.move_to(&to, &delivery, &envelope.body, &fault).await {
+            if self.move_to(&to, &delivery, ticket, &envelope.body, &fault).await {
                 self.stats.add(counter);
             }
         }
@@ -276,13 +306,20 @@ impl Settler {
     /// `to`, then acks the original, in that order. If the copy is not
     /// confirmed, the original goes back to the broker instead. Returns
     /// whether the message moved.
-    async fn move_to(&self, to: &str, delivery: &Delivery, body: &[u8], fault: &Fault<'_>) -> bool {
+    async fn move_to(
+        &self,
+        to: &str,
+        delivery: &Delivery,
+        ticket: Ticket,
+        body: &[u8],
+        fault: &Fault<'_>,
+    ) -> bool {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         fault.stamp(&mut headers);
         let properties = delivery.properties.clone().with_headers(headers);
         match self.forwarder.publish_raw(to, properties, body).await {
             Ok(()) => {
-                ack(delivery, &self.stats).await;
+                self.ack(delivery, ticket).await;
                 true
             }
             Err(e) => {
@@ -292,15 +329,16 @@ impl Settler {
                     requeue: true,
                     ..BasicNackOptions::default()
                 };
-                check_settled(delivery.acker.nack(options).await, "nack", &self.stats);
+                let result = self.window.nack(delivery, ticket, options).await;
+                check_settled(result, "nack", &self.stats);
                 false
             }
         }
     }
-}
 
-async fn ack(delivery: &Delivery, stats: &Stats) {
-    check_settled(delivery.acker.ack(BasicAckOptions::default()).await, "ack", stats);
+    async fn ack(&self, delivery: &Delivery, ticket: Ticket) {
+        check_settled(self.window.ack(delivery, ticket).await, "ack", &self.stats);
+    }
 }
 
 /// lapin answers `Ok(false)` for an ack on a channel that has been recovered

@@ -447,3 +447,57 @@ async fn a_handler_that_swallows_a_failed_statement_in_a_batch_gets_nothing_acke
     assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 7);
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+/// For `key`: takes two seconds, then fails, every time: a process that
+/// dies while it handles that message.
+struct StallsThenFails {
+    key: i64,
+}
+
+impl EventHandler<Counted> for StallsThenFails {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == self.key {
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            return Err("the process died".into());
+        }
+        increment(uow, "counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_later_batch_acked_first_never_acks_an_earlier_unfinished_one() {
+    let env = TestEnv::new("batch_ack_order").await;
+    let mut settings = batching(&env);
+    settings.queues[0].batch_size = 4;
+    settings.queues[0].concurrent_batches = 4;
+    settings.runtime.shutdown_timeout = std::time::Duration::from_millis(100);
+    // Key 0 is delivered first: its batch has the lowest delivery tags.
+    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
+    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    let first = Runtime::builder(settings.clone())
+        .handler(StallsThenFails { key: 0 })
+        .start()
+        .await
+        .unwrap();
+    // Later batches complete and are acked while key 0's batch waits...
+    wait_until("a later batch completes", || async {
+        first.stats().completed >= 4
+    })
+    .await;
+    let stats = first.stats();
+    // ...then the process "dies": the shutdown gives up at once and closes
+    // the connection, so what is unacked goes back to the queue, and key 0
+    // never commits there. An ack with `multiple` from a later batch would
+    // have settled key 0's delivery unprocessed, and lost it.
+    first.shutdown().await;
+    assert!(stats.batches >= 1, "{stats:?}");
+
+    let second = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    wait_until("the queue is drained", || async {
+        env.ready(&env.queue).await == 0 && counts(&env, "counts").await.len() == 16
+    })
+    .await;
+    second.shutdown().await;
+    let counts = counts(&env, "counts").await;
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
