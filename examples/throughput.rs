@@ -26,7 +26,9 @@
 //!   `prefetch / batch_size`).
 //!
 //! With `--repeat N` the scenarios are interleaved N times and each line
-//! gives the medians. Latency is from a delivery's arrival to its ack.
+//! gives the medians. Each run's own line (on stderr) ends with the CPU
+//! time other tenants of a virtual machine took meanwhile (`steal_s`, on
+//! Linux): runs with much of it say more about the neighbours than the code. Latency is from a delivery's arrival to its ack.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
 
@@ -193,6 +195,7 @@ async fn run() -> Result<()> {
 
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
+            let steal_before = cpu_steal();
             let measured = match scenario {
                 Scenario::Raw => raw(&connection, &queue, count).await?,
                 Scenario::Handwritten => handwritten(&connection, &pool, &queue, count).await?,
@@ -213,8 +216,14 @@ async fn run() -> Result<()> {
                     .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
                     .await?;
             }
+            // What other tenants of the machine took meanwhile: a run with
+            // much of it measured the neighbours, not the code.
+            let steal = match (steal_before, cpu_steal()) {
+                (Some(before), Some(after)) => format!(" steal_s={:.2}", after - before),
+                _ => String::new(),
+            };
             eprintln!(
-                "round={round} {}",
+                "round={round} {}{steal}",
                 line(scenario, count, workload.unique, &measured)
             );
             runs[i].push(measured);
@@ -236,6 +245,17 @@ fn topology(queue: &str, tiers: usize) -> Vec<String> {
         queue.to_owned(),
     ]);
     names
+}
+
+/// CPU time the hypervisor gave to others while this machine wanted it, in
+/// seconds since boot, over all cores (Linux: the `steal` column of the
+/// `cpu` line of /proc/stat, in USER_HZ ticks, 100 a second); `None` where
+/// there is no such file.
+fn cpu_steal() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: f64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
+    Some(ticks / 100.0)
 }
 
 fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String {
