@@ -108,15 +108,7 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
     // queue comes back, and what is published to it is consumed. (Waiting
     // for the queue alone races with the broker still starting it.)
     wait_until("the queue is declared and consumed again", || async {
-        let passive = inbox::lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let probe = connection.create_channel().await.unwrap();
-        probe
-            .queue_declare(env.queue.as_str().into(), passive, Default::default())
-            .await
-            .is_ok_and(|queue| queue.consumer_count() == 1)
+        env.consumers(&env.queue).await == Some(1)
     })
     .await;
     for key in 5..10 {
@@ -163,25 +155,18 @@ async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
         .await
         .unwrap();
     let publisher = runtime.publisher().clone();
-    let consumers = || async {
-        let connection = crate::support::amqp().await;
-        let probe = connection.create_channel().await.unwrap();
-        let passive = inbox::lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        probe
-            .queue_declare(env.queue.as_str().into(), passive, Default::default())
-            .await
-            .unwrap()
-            .consumer_count()
-    };
-    assert_eq!(consumers().await, 1);
+    assert_eq!(env.consumers(&env.queue).await, Some(1));
 
     broker_closes_the_consumer_channels(&env.queue);
-    wait_until("the consumer is gone", || async { consumers().await == 0 }).await;
+    wait_until("the consumer is gone", || async {
+        env.consumers(&env.queue).await == Some(0)
+    })
+    .await;
     // lapin does not reopen a channel the broker closed; the actor must.
-    wait_until("the consumer is back", || async { consumers().await == 1 }).await;
+    wait_until("the consumer is back", || async {
+        env.consumers(&env.queue).await == Some(1)
+    })
+    .await;
     for key in 0..5 {
         publisher
             .publish(&env.queue, &Message::new(Counted { key }))

@@ -178,19 +178,29 @@ impl TestEnv {
 
     /// Messages ready in `queue` (not counting unacked ones).
     pub async fn ready(&self, queue: &str) -> u32 {
-        let connection = amqp().await;
-        let channel = connection.create_channel().await.unwrap();
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let q = channel
-            .queue_declare(queue.into(), options, FieldTable::default())
-            .await
-            .unwrap();
-        connection.close(200, "done".into()).await.unwrap();
-        q.message_count()
+        probe(queue).await.expect("the queue exists").message_count()
     }
+
+    /// Consumers of `queue`; `None` while it does not exist.
+    pub async fn consumers(&self, queue: &str) -> Option<u32> {
+        probe(queue).await.map(|q| q.consumer_count())
+    }
+}
+
+/// `queue` as the broker sees it (a passive declare), if it exists.
+async fn probe(queue: &str) -> Option<inbox::lapin::Queue> {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let q = channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+        .ok();
+    connection.close(200, "done".into()).await.unwrap();
+    q
 }
 
 /// The most retry tiers a test configures (the lock-timeout test's 20).
