@@ -34,8 +34,8 @@ pub struct UnitOfWork {
     /// How many savepoints were made; the open one is `s<count>`.
     savepoints: u32,
     /// The staged records as they were at the open savepoint (batches keep
-    /// one open at a time), or `None` when no savepoint is open.
-    staged_at_savepoint: Option<Vec<Uuid>>,
+    /// one open at a time).
+    staged_at_savepoint: Vec<Uuid>,
 }
 
 impl UnitOfWork {
@@ -51,7 +51,7 @@ impl UnitOfWork {
             finished: false,
             staged: Vec::new(),
             savepoints: 0,
-            staged_at_savepoint: None,
+            staged_at_savepoint: Vec::new(),
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -112,7 +112,7 @@ impl UnitOfWork {
             return Err(e.into());
         }
         self.savepoints += 1;
-        self.staged_at_savepoint = Some(self.staged.clone());
+        self.staged_at_savepoint.clone_from(&self.staged);
         Ok(())
     }
 
@@ -122,10 +122,9 @@ impl UnitOfWork {
     /// was made, or if making the last one failed.
     pub async fn rollback_to_savepoint(&mut self) -> Result<()> {
         let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.savepoints);
+        // Fails when no savepoint was made, before anything is restored.
         self.client().batch_execute(&sql).await?;
-        if let Some(staged) = &self.staged_at_savepoint {
-            self.staged.clone_from(staged);
-        }
+        self.staged.clone_from(&self.staged_at_savepoint);
         Ok(())
     }
 

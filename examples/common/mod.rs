@@ -4,6 +4,7 @@
 // Each example compiles this module on its own and uses part of it.
 #![allow(dead_code)]
 
+use inbox::tokio_postgres::types::ToSql;
 use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork};
 use serde::{Deserialize, Serialize};
 
@@ -50,10 +51,7 @@ pub struct CountCheckins;
 impl EventHandler<AttendeeCheckedIn> for CountCheckins {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         refuse_negative(event)?;
-        let client = uow.client();
-        let statement = client.prepare_cached(COUNT_CHECKIN).await?;
-        client.execute(&statement, &[&event.attendee_id]).await?;
-        Ok(())
+        execute(uow, COUNT_CHECKIN, &[&event.attendee_id]).await
     }
 
     /// One statement for the batch. A negative id fails the batch: the
@@ -65,11 +63,16 @@ impl EventHandler<AttendeeCheckedIn> for CountCheckins {
     ) -> Result<(), HandlerError> {
         events.iter().try_for_each(refuse_negative)?;
         let ids: Vec<i64> = events.iter().map(|e| e.attendee_id).collect();
-        let client = uow.client();
-        let statement = client.prepare_cached(COUNT_CHECKINS).await?;
-        client.execute(&statement, &[&ids]).await?;
-        Ok(())
+        execute(uow, COUNT_CHECKINS, &[&ids]).await
     }
+}
+
+/// Runs `sql` in the unit of work, prepared once per connection.
+async fn execute(uow: &UnitOfWork, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<(), HandlerError> {
+    let client = uow.client();
+    let statement = client.prepare_cached(sql).await?;
+    client.execute(&statement, params).await?;
+    Ok(())
 }
 
 fn refuse_negative(event: &AttendeeCheckedIn) -> Result<(), HandlerError> {
@@ -84,10 +87,7 @@ pub struct CountAttendance;
 
 impl EventHandler<AttendeeCheckedIn> for CountAttendance {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let client = uow.client();
-        let statement = client.prepare_cached(COUNT_ATTENDANCE).await?;
-        client.execute(&statement, &[&event.session_id]).await?;
-        Ok(())
+        execute(uow, COUNT_ATTENDANCE, &[&event.session_id]).await
     }
 
     async fn handle_batch(
@@ -96,10 +96,7 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
         uow: &mut UnitOfWork,
     ) -> Result<(), HandlerError> {
         let ids: Vec<i64> = events.iter().map(|e| e.session_id).collect();
-        let client = uow.client();
-        let statement = client.prepare_cached(COUNT_ATTENDANCES).await?;
-        client.execute(&statement, &[&ids]).await?;
-        Ok(())
+        execute(uow, COUNT_ATTENDANCES, &[&ids]).await
     }
 }
 

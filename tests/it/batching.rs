@@ -35,6 +35,15 @@ async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
     connection.close(200, "done".into()).await.unwrap();
 }
 
+/// [`prefill`] with one new message per key, in this order.
+async fn prefill_keys(settings: &Settings, keys: impl IntoIterator<Item = i64>) {
+    let messages: Vec<_> = keys
+        .into_iter()
+        .map(|key| Message::new(Counted { key }))
+        .collect();
+    prefill(settings, &messages.iter().collect::<Vec<_>>()).await;
+}
+
 /// Fails (or panics, with `panic`) on its first `times` calls for `key`
 /// (at least one); otherwise counts in `second_counts`.
 #[derive(Default)]
@@ -102,8 +111,7 @@ async fn counts(env: &TestEnv, table: &str) -> HashMap<i64, i64> {
 async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit() {
     let env = TestEnv::new("batch_failing_message").await;
     let settings = batching(&env);
-    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, 0..16).await;
     // Fails on the whole batch and again alone: it is the one to fail.
     let fails_twice = FailsOnce {
         key: 5,
@@ -142,8 +150,7 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
 async fn a_panic_in_a_batch_costs_the_batch_a_retry_and_every_message_still_counts_once() {
     let env = TestEnv::new("batch_panic").await;
     let settings = batching(&env);
-    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, 0..16).await;
     let panics_once = FailsOnce {
         key: 5,
         panic: true,
@@ -245,8 +252,7 @@ async fn duplicates_in_flight_in_batches_of_two_runtimes_run_once() {
 async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery() {
     let env = TestEnv::new("batch_commit_then_crash").await;
     let settings = batching(&env);
-    let messages: Vec<_> = (0..5).map(|key| Message::new(Counted { key })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, 0..5).await;
     // Another consumer takes all five before the runtime starts...
     let crashing = amqp().await;
     let channel = crashing.create_channel().await.unwrap();
@@ -326,10 +332,7 @@ async fn a_store_with_only_the_required_methods_works_in_batches() {
 async fn a_set_based_handler_gets_whole_batches_and_a_failure_isolates_one_message() {
     let env = TestEnv::new("batch_set_based").await;
     let settings = batching(&env);
-    let messages: Vec<_> = (0..16)
-        .map(|key| Message::new(Counted { key: key % 4 }))
-        .collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, (0..16).map(|i| i % 4)).await;
     let batch_sizes = Arc::default();
     let handler = CountSetBased {
         poison: Some(3),
@@ -366,8 +369,7 @@ async fn concurrent_batches_of_set_based_handlers_count_hot_keys_exactly() {
     settings.queues[0].batch_size = 4;
     settings.queues[0].concurrent_batches = 4;
     // 400 messages on 5 hot keys: every batch shares rows with the others.
-    let messages: Vec<_> = (0..400).map(|i| Message::new(Counted { key: i % 5 })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, (0..400).map(|i| i % 5)).await;
     let runtime = Runtime::builder(settings)
         .handler(CountSetBased::default())
         .start()
@@ -406,8 +408,7 @@ impl EventHandler<Counted> for SwallowsAnError {
 async fn a_handler_that_swallows_a_failed_statement_in_a_batch_gets_nothing_acked_without_effect() {
     let env = TestEnv::new("batch_swallowed_error").await;
     let settings = batching(&env);
-    let messages: Vec<_> = (0..8).map(|key| Message::new(Counted { key })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, 0..8).await;
     // Failing key 7 once fails the whole batch, before key 3's turn: the
     // batch then runs one message at a time, a savepoint each.
     let fails_once = FailsOnce {
@@ -472,8 +473,7 @@ async fn a_later_batch_acked_first_never_acks_an_earlier_unfinished_one() {
     settings.queues[0].concurrent_batches = 4;
     settings.runtime.shutdown_timeout = std::time::Duration::from_millis(100);
     // Key 0 is delivered first: its batch has the lowest delivery tags.
-    let messages: Vec<_> = (0..16).map(|key| Message::new(Counted { key })).collect();
-    prefill(&settings, &messages.iter().collect::<Vec<_>>()).await;
+    prefill_keys(&settings, 0..16).await;
     let first = Runtime::builder(settings.clone())
         .handler(StallsThenFails { key: 0 })
         .start()

@@ -85,17 +85,7 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
         .start()
         .await
         .unwrap();
-    let publisher = runtime.publisher().clone();
-    for key in 0..5 {
-        publisher
-            .publish(&env.queue, &Message::new(Counted { key }))
-            .await
-            .unwrap();
-    }
-    wait_until("the first 5 complete", || async {
-        runtime.stats().completed == 5
-    })
-    .await;
+    publish_and_complete(&env, &runtime, 0..5).await;
 
     // Someone deletes the queue: the broker cancels the consumer.
     let connection = crate::support::amqp().await;
@@ -111,20 +101,28 @@ async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
         env.consumers(&env.queue).await == Some(1)
     })
     .await;
-    for key in 5..10 {
-        publisher
-            .publish(&env.queue, &Message::new(Counted { key }))
-            .await
-            .unwrap();
-    }
-    wait_until("the next 5 complete", || async {
-        runtime.stats().completed == 10
-    })
-    .await;
+    publish_and_complete(&env, &runtime, 5..10).await;
     runtime.shutdown().await;
     for key in 0..10 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
+}
+
+/// Publishes a message for each of `keys` through the runtime and waits
+/// until it has completed `keys.end` messages in all.
+async fn publish_and_complete(env: &TestEnv, runtime: &Runtime, keys: std::ops::Range<i64>) {
+    let total = u64::try_from(keys.end).unwrap();
+    for key in keys {
+        runtime
+            .publisher()
+            .publish(&env.queue, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    wait_until("the messages complete", || async {
+        runtime.stats().completed == total
+    })
+    .await;
 }
 
 /// Has the broker close every channel consuming from `queue` with a
@@ -154,7 +152,6 @@ async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
         .start()
         .await
         .unwrap();
-    let publisher = runtime.publisher().clone();
     assert_eq!(env.consumers(&env.queue).await, Some(1));
 
     broker_closes_the_consumer_channels(&env.queue);
@@ -167,16 +164,7 @@ async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
         env.consumers(&env.queue).await == Some(1)
     })
     .await;
-    for key in 0..5 {
-        publisher
-            .publish(&env.queue, &Message::new(Counted { key }))
-            .await
-            .unwrap();
-    }
-    wait_until("the messages complete", || async {
-        runtime.stats().completed == 5
-    })
-    .await;
+    publish_and_complete(&env, &runtime, 0..5).await;
     runtime.shutdown().await;
     for key in 0..5 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
