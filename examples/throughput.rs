@@ -28,7 +28,8 @@
 //! With `--repeat N` the scenarios are interleaved N times and each line
 //! gives the medians. Each run's own line (on stderr) ends with the CPU
 //! time other tenants of a virtual machine took meanwhile (`steal_s`, on
-//! Linux): runs with much of it say more about the neighbours than the code. Latency is from a delivery's arrival to its ack.
+//! Linux): runs with much of it say more about the neighbours than the
+//! code. Latency is from a delivery's arrival to its ack.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
 
@@ -216,8 +217,6 @@ async fn run() -> Result<()> {
                     .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
                     .await?;
             }
-            // What other tenants of the machine took meanwhile: a run with
-            // much of it measured the neighbours, not the code.
             let steal = match (steal_before, cpu_steal()) {
                 (Some(before), Some(after)) => format!(" steal_s={:.2}", after - before),
                 _ => String::new(),
