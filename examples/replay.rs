@@ -2,11 +2,12 @@
 //! fault that sent them there is fixed.
 //!
 //! ```text
-//! cargo run --example replay -- [--queue NAME] [--message-id UUID]...
+//! cargo run --example replay -- [--queue NAME] [--from error|skipped] [--message-id UUID]...
 //! ```
 //!
-//! Without `--message-id`, every message in `NAME.error` goes back; with it,
-//! only those. Each keeps its `message_id`, so one that was processed after
+//! Without `--message-id`, every message in `NAME.error` (or, with `--from
+//! skipped`, `NAME.skipped`) goes back; with it, only those, and the others
+//! stay where they were, in their order. Each keeps its `message_id`, so one that was processed after
 //! all is skipped by the inbox, as long as it comes back within
 //! `retention.days`. Honours `AMQP_URL` and the settings in `config/`.
 
@@ -14,7 +15,7 @@ mod common;
 
 use std::collections::HashSet;
 
-use inbox::amqp;
+use inbox::amqp::{self, SetAside};
 use inbox::uuid::Uuid;
 
 #[tokio::main(flavor = "current_thread")]
@@ -39,14 +40,23 @@ async fn run() -> inbox::Result<()> {
             only.insert(id);
         }
     }
+    let from = match common::arg("--from").as_deref() {
+        None | Some("error") => SetAside::Error,
+        Some("skipped") => SetAside::Skipped,
+        Some(other) => {
+            return Err(inbox::Error::Runtime(format!(
+                "--from `{other}`: expected `error` or `skipped`"
+            )));
+        }
+    };
     let settings = common::settings()?;
     let queue = &settings.queues[0].name;
     let connection = amqp::connect(&settings, "inbox replay").await?;
-    let report = amqp::replay(&connection, queue, (!only.is_empty()).then_some(&only)).await?;
+    let report = amqp::replay(&connection, queue, from, (!only.is_empty()).then_some(&only)).await?;
     connection.close(200, "done".into()).await?;
     println!(
         "from={} to={queue} replayed={} left={}",
-        amqp::error_queue(queue),
+        from.queue(queue),
         report.replayed,
         report.left
     );

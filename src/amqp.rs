@@ -6,12 +6,12 @@
 //! then dead-letter back to `Q`), `Q.error` (messages that failed every
 //! attempt, or can never succeed) and `Q.skipped` (no handler for their type).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use uuid::Uuid;
 
@@ -19,7 +19,7 @@ use crate::envelope::JSON;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::fault;
-use crate::settings::{FailureSettings, QueueKind, QueueSettings, Settings};
+use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSettings, Settings};
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
@@ -56,21 +56,48 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Connection> {
 /// Declares `Q`, its retry tiers, `Q.error` and `Q.skipped`: durable, of the
 /// queue's kind. Idempotent; a queue that exists with other arguments is an
 /// [`Error::Topology`] naming it and the difference.
+///
+/// No queue of these can drop a message on RabbitMQ 4, where a quorum queue
+/// without a delivery limit gets one of 20 and drops past it:
+/// - `Q` dead-letters to `Q.error`, past `queues[].delivery_limit`
+///   deliveries (quorum only: classic queues count none);
+/// - `Q.error` and `Q.skipped` are never consumed by the runtime, and their
+///   limit is the highest the broker takes, so that inspecting them by hand
+///   (get and requeue) cannot spend it;
+/// - the retry tiers are never consumed at all: their messages leave by
+///   expiring, dead-lettered back to `Q`.
 pub async fn declare_topology(
     channel: &Channel,
     queue: &QueueSettings,
     failure: &FailureSettings,
 ) -> Result<()> {
-    let kind = match queue.kind {
-        QueueKind::Quorum => "quorum",
-        QueueKind::Classic => "classic",
-    };
+    let quorum = queue.kind == QueueKind::Quorum;
     let base = || {
         let mut arguments = FieldTable::default();
+        let kind = if quorum { "quorum" } else { "classic" };
         arguments.insert("x-queue-type".into(), text(kind));
         arguments
     };
-    declare(channel, &queue.name, base()).await?;
+    // Dead-lettering to `to`: at-least-once for quorum queues, where
+    // at-most-once could drop the message on a broker fault.
+    let dead_letter_to = |arguments: &mut FieldTable, to: &str| {
+        arguments.insert("x-dead-letter-exchange".into(), text(""));
+        arguments.insert("x-dead-letter-routing-key".into(), text(to));
+        if quorum {
+            arguments.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+            arguments.insert("x-overflow".into(), text("reject-publish"));
+        }
+    };
+    let limit = |arguments: &mut FieldTable, limit: u32| {
+        if quorum {
+            arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit.into()));
+        }
+    };
+
+    let mut main = base();
+    dead_letter_to(&mut main, &error_queue(&queue.name));
+    limit(&mut main, queue.delivery_limit);
+    declare(channel, &queue.name, main).await?;
     for (i, delay) in failure.delays.iter().enumerate() {
         let mut arguments = base();
         // Settings validation keeps every delay within 32 bits of milliseconds.
@@ -78,18 +105,14 @@ pub async fn declare_topology(
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(delay.as_millis() as i64),
         );
-        arguments.insert("x-dead-letter-exchange".into(), text(""));
-        arguments.insert("x-dead-letter-routing-key".into(), text(&queue.name));
-        if queue.kind == QueueKind::Quorum {
-            // Without these, a quorum queue dead-letters at most once: a
-            // broker fault at expiry could drop the message.
-            arguments.insert("x-dead-letter-strategy".into(), text("at-least-once"));
-            arguments.insert("x-overflow".into(), text("reject-publish"));
-        }
+        dead_letter_to(&mut arguments, &queue.name);
         declare(channel, &retry_queue(&queue.name, i + 1), arguments).await?;
     }
-    declare(channel, &error_queue(&queue.name), base()).await?;
-    declare(channel, &skipped_queue(&queue.name), base()).await?;
+    for set_aside in [error_queue(&queue.name), skipped_queue(&queue.name)] {
+        let mut arguments = base();
+        limit(&mut arguments, MAX_DELIVERY_LIMIT);
+        declare(channel, &set_aside, arguments).await?;
+    }
     Ok(())
 }
 
@@ -103,7 +126,10 @@ async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Resul
         .await
         .map_err(|e| Error::Topology {
             queue: queue.to_owned(),
-            reason: format!("{e} (a queue that exists with other arguments must be deleted, or the settings changed to match it)"),
+            reason: format!(
+                "{e} (a queue that exists with other arguments must be re-declared, or the settings changed to \
+                 match it: README, \"Upgrading queues\")"
+            ),
         })?;
     Ok(())
 }
@@ -194,48 +220,71 @@ impl AmqpPublisher {
     }
 }
 
+/// Where [`replay`] takes messages from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetAside {
+    /// `Q.error`: messages that failed every attempt, or can never succeed.
+    Error,
+    /// `Q.skipped`: messages of a type no handler was registered for.
+    Skipped,
+}
+
+impl SetAside {
+    /// The queue's name, for consumed queue `queue`.
+    pub fn queue(self, queue: &str) -> String {
+        match self {
+            SetAside::Error => error_queue(queue),
+            SetAside::Skipped => skipped_queue(queue),
+        }
+    }
+}
+
 /// What [`replay`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReplayReport {
-    /// Moved from `Q.error` back to `Q`.
+    /// Moved back to `Q`.
     pub replayed: usize,
-    /// Left in `Q.error` (not selected).
+    /// Left where they were (not selected).
     pub left: usize,
 }
 
-/// Moves messages from `Q.error` back to `Q`: all of them, or those whose
-/// `message_id` is in `only`. Each keeps its body, properties and
-/// `message_id`, so one that was processed after all is skipped by the inbox
-/// (if it comes back within `retention.days`); the fault headers are removed,
-/// so the failure policy starts afresh. Each copy is confirmed in `Q` before
-/// the original leaves `Q.error`.
+/// Moves messages from `Q.error` or `Q.skipped` back to `Q`: all of them,
+/// or those whose `message_id` is in `only`. Each keeps its body,
+/// properties and `message_id`, so one that was processed after all is
+/// skipped by the inbox (if it comes back within `retention.days`); the
+/// fault headers are removed, so the failure policy starts afresh. Each
+/// copy is confirmed in `Q` before the original leaves.
+///
+/// The messages not selected go round: each is published again at the tail
+/// of the queue it came from, confirmed, then the original is acked, so
+/// their order holds and none is ever handed back to the broker (on a
+/// quorum queue that would spend a delivery of each).
 pub async fn replay(
     connection: &Connection,
     queue: &str,
+    from: SetAside,
     only: Option<&HashSet<Uuid>>,
 ) -> Result<ReplayReport> {
-    let from = error_queue(queue);
+    let source = from.queue(queue);
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
     };
     let waiting = channel
-        .queue_declare(from.as_str().into(), passive, FieldTable::default())
+        .queue_declare(source.as_str().into(), passive, FieldTable::default())
         .await
         .map_err(|e| Error::Topology {
-            queue: from.clone(),
+            queue: source.clone(),
             reason: e.to_string(),
         })?
         .message_count();
     let publisher = AmqpPublisher::new(connection, "").await?;
     let mut report = ReplayReport::default();
-    // The ones not selected stay unacked until the channel closes, so that
-    // basic.get does not hand them out again; then they go back in order.
-    let mut held = Vec::new();
+    // Only as many as were waiting: the unselected ones come round again.
     for _ in 0..waiting {
         let Some(message) = channel
-            .basic_get(from.as_str().into(), BasicGetOptions { no_ack: false })
+            .basic_get(source.as_str().into(), BasicGetOptions { no_ack: false })
             .await?
         else {
             break;
@@ -247,30 +296,30 @@ pub async fn replay(
             .as_ref()
             .and_then(|id| Uuid::try_parse(id.as_str()).ok());
         let selected = only.is_none_or(|ids| id.is_some_and(|id| ids.contains(&id)));
-        if !selected {
+        if selected {
+            let properties = without_headers(delivery.properties.clone(), &fault::headers::ALL);
+            publisher.publish_raw(queue, properties, &delivery.data).await?;
+            report.replayed += 1;
+        } else {
+            let properties = without_headers(delivery.properties.clone(), &[]);
+            publisher.publish_raw(&source, properties, &delivery.data).await?;
             report.left += 1;
-            held.push(delivery);
-            continue;
         }
-        let properties = without_fault_headers(delivery.properties.clone());
-        publisher.publish_raw(queue, properties, &delivery.data).await?;
         delivery.acker.ack(BasicAckOptions::default()).await?;
-        report.replayed += 1;
     }
     channel.close(200, "replay done".into()).await?;
     publisher.channel().close(200, "replay done".into()).await?;
     Ok(report)
 }
 
-fn without_fault_headers(properties: BasicProperties) -> BasicProperties {
-    let Some(headers) = properties.headers().clone() else {
+/// `properties` less the headers named in `removed` and the broker's
+/// delivery count, which belongs to the queue that counted it.
+fn without_headers(properties: BasicProperties, removed: &[&str]) -> BasicProperties {
+    let Some(headers) = properties.headers() else {
         return properties;
     };
-    let kept: BTreeMap<ShortString, AMQPValue> = headers
-        .inner()
-        .iter()
-        .filter(|(key, _)| !fault::headers::ALL.contains(&key.as_str()))
-        .map(|(key, value)| (key.clone(), value.clone()))
-        .collect();
-    properties.with_headers(kept.into())
+    let mut removed = removed.to_vec();
+    removed.push(fault::headers::DELIVERY_COUNT);
+    let kept = fault::without(headers, &removed);
+    properties.with_headers(kept)
 }

@@ -3,7 +3,59 @@
 use tokio_postgres::error::SqlState;
 
 /// What a handler returns when it fails: whatever error the handler has, boxed.
+///
+/// Every handler error is transient: the message walks the failure policy
+/// (immediate retries, retry tiers, then `Q.error`), since a later attempt
+/// may succeed. Return a [`Permanent`] for a failure no attempt can fix, and
+/// the message goes straight to `Q.error` with its reason. Whatever it
+/// wraps, a handler's error never reads as a database outage: only the
+/// runtime's own connection can hold a message (see [`is_unavailable`]).
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A handler's failure that no retry can fix: a business rejection ("order
+/// 42 does not exist"), an event this service refuses. The message skips
+/// the immediate retries and the retry tiers and goes straight to `Q.error`,
+/// with this reason in `x-inbox-reason`.
+///
+/// ```
+/// # use inbox::{HandlerError, Permanent};
+/// fn check(amount: i64) -> Result<(), HandlerError> {
+///     if amount < 0 {
+///         return Err(Permanent::new(format!("amount {amount} is negative")).into());
+///     }
+///     Ok(())
+/// }
+/// assert!(check(-1).unwrap_err().is::<Permanent>());
+/// ```
+///
+/// Found anywhere in the error's source chain, so a handler's own error type
+/// may wrap it.
+#[derive(Debug, thiserror::Error)]
+#[error("{reason}")]
+pub struct Permanent {
+    reason: String,
+}
+
+impl Permanent {
+    /// A permanent failure, for `reason`.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether `error`, or one of its sources, is a [`Permanent`].
+    pub fn is_in(error: &(dyn std::error::Error + 'static)) -> bool {
+        let mut current = Some(error);
+        while let Some(e) = current {
+            if e.is::<Permanent>() {
+                return true;
+            }
+            current = e.source();
+        }
+        false
+    }
+}
 
 /// `Result` with this crate's [`Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -30,12 +82,14 @@ pub enum Error {
     #[error("database error: {}", describe(.0))]
     Database(#[from] tokio_postgres::Error),
 
-    /// No connection could be taken from the pool.
-    #[error("database pool error: {0}")]
+    /// No connection could be taken from the pool. The text carries the
+    /// cause (`database "x" does not exist`, a refused connection) and the
+    /// server it was for.
+    #[error("cannot connect to the database: {}", describe(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
 
     /// A RabbitMQ operation failed.
-    #[error("broker error: {0}")]
+    #[error("broker error: {}", describe(.0))]
     Broker(#[from] lapin::Error),
 
     /// The broker did not confirm a publish (nack, or the message was unroutable).
@@ -109,6 +163,12 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// 57P01-57P03). Such a failure says nothing about the message, so the
 /// runtime waits for the database instead of spending the message's
 /// attempts.
+///
+/// Apply it only to errors of the runtime's own pool and connection: an
+/// I/O error counts, which is right for those and wrong for a handler's
+/// (a refused HTTP call is not the inbox's database going away). The
+/// runtime judges a failed handler by whether the unit of work's own
+/// connection is still open instead.
 pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
     use deadpool_postgres::{PoolError, TimeoutType};
     let mut current = Some(error);

@@ -35,7 +35,25 @@ pub mod headers {
         LAST_FAILURE,
         SOURCE_QUEUE,
     ];
+
+    /// The broker's count of a quorum queue's deliveries of the message. It
+    /// belongs to the queue that delivered it, so a copy published
+    /// elsewhere (a move, a replay) goes without it.
+    pub const DELIVERY_COUNT: &str = "x-delivery-count";
 }
+
+/// The longest `x-inbox-reason` the runtime writes, in bytes. A reason can
+/// quote the message itself (serde quotes the offending string), and a
+/// header frame larger than the broker's `frame_max` (128 KiB by default)
+/// makes the broker close the connection: the message would never reach
+/// `Q.error`.
+pub const MAX_REASON_BYTES: usize = 2048;
+
+/// The longest value of any other text header the runtime writes, in bytes.
+pub const MAX_VALUE_BYTES: usize = 256;
+
+/// What marks a value the runtime cut short.
+const CUT: &str = "… [truncated]";
 
 /// What a message's headers say of its past failures.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -50,15 +68,37 @@ pub struct FailureHistory {
 
 impl FailureHistory {
     /// Reads the history from `headers`; absent or unreadable values read as
-    /// none (a message from another publisher has no history).
+    /// none (a message from another publisher has no history). The headers
+    /// are untrusted: any value, however large, reads without panicking, and
+    /// the counts only ever grow with [`record_failure`](Self::record_failure)
+    /// and [`record_redelivery`](Self::record_redelivery), which saturate.
     pub fn read(headers: &FieldTable) -> Self {
         let map = headers.inner();
         let number = |key: &str| map.get(key).and_then(as_u32).unwrap_or(0);
         Self {
             attempts: number(headers::ATTEMPTS),
             redeliveries: number(headers::REDELIVERIES),
-            first_failure: map.get(headers::FIRST_FAILURE).and_then(as_text),
+            first_failure: map
+                .get(headers::FIRST_FAILURE)
+                .and_then(as_text)
+                .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned()),
         }
+    }
+
+    /// Counts one more failed attempt, now.
+    pub fn record_failure(&mut self) {
+        self.attempts = self.attempts.saturating_add(1);
+        self.first_failure.get_or_insert_with(now);
+    }
+
+    /// Counts one more delayed redelivery.
+    pub fn record_redelivery(&mut self) {
+        self.redeliveries = self.redeliveries.saturating_add(1);
+    }
+
+    /// The number of the attempt about to be made (from 1).
+    pub fn next_attempt(&self) -> u32 {
+        self.attempts.saturating_add(1)
     }
 }
 
@@ -76,12 +116,17 @@ pub struct Fault<'a> {
 }
 
 impl Fault<'_> {
-    /// Writes the fault into `headers`, keeping every other header.
+    /// Writes the fault into `headers`, keeping every other header but the
+    /// broker's delivery count. Every value is bounded
+    /// ([`MAX_REASON_BYTES`] for the reason, [`MAX_VALUE_BYTES`] for the
+    /// others), so the headers it adds stay under 4 KiB whatever the
+    /// message or its error says.
     pub fn stamp(&self, headers: &mut FieldTable) {
         let now = now();
-        let text = |s: &str| AMQPValue::LongString(LongString::from(s));
-        headers.insert(headers::REASON.into(), text(self.reason));
-        headers.insert(headers::HANDLER.into(), text(self.handler));
+        let text = |s: &str, max| AMQPValue::LongString(LongString::from(truncate(s, max).as_ref()));
+        *headers = without(headers, &[headers::DELIVERY_COUNT]);
+        headers.insert(headers::REASON.into(), text(self.reason, MAX_REASON_BYTES));
+        headers.insert(headers::HANDLER.into(), text(self.handler, MAX_VALUE_BYTES));
         headers.insert(
             headers::ATTEMPTS.into(),
             AMQPValue::LongLongInt(self.history.attempts.into()),
@@ -91,10 +136,37 @@ impl Fault<'_> {
             AMQPValue::LongLongInt(self.history.redeliveries.into()),
         );
         let first = self.history.first_failure.as_deref().unwrap_or(&now);
-        headers.insert(headers::FIRST_FAILURE.into(), text(first));
-        headers.insert(headers::LAST_FAILURE.into(), text(&now));
-        headers.insert(headers::SOURCE_QUEUE.into(), text(self.source_queue));
+        headers.insert(headers::FIRST_FAILURE.into(), text(first, MAX_VALUE_BYTES));
+        headers.insert(headers::LAST_FAILURE.into(), text(&now, MAX_VALUE_BYTES));
+        headers.insert(
+            headers::SOURCE_QUEUE.into(),
+            text(self.source_queue, MAX_VALUE_BYTES),
+        );
     }
+}
+
+/// `headers` less the `keys`.
+pub fn without(headers: &FieldTable, keys: &[&str]) -> FieldTable {
+    let kept: std::collections::BTreeMap<_, _> = headers
+        .inner()
+        .iter()
+        .filter(|(key, _)| !keys.contains(&key.as_str()))
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    kept.into()
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, marked as cut
+/// when it was.
+pub fn truncate(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max.saturating_sub(CUT.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{CUT}", &text[..end]).into()
 }
 
 /// The time now, as the fault headers write it.
@@ -148,5 +220,58 @@ mod tests {
         assert_eq!(FailureHistory::read(&headers), history);
         assert!(headers.contains_key("x-custom"), "other headers are kept");
         assert!(headers.contains_key(headers::LAST_FAILURE));
+    }
+
+    #[test]
+    fn producer_set_counts_at_the_limit_saturate_instead_of_overflowing() {
+        let mut headers = FieldTable::default();
+        headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(u32::MAX.into()));
+        headers.insert(headers::REDELIVERIES.into(), AMQPValue::LongUInt(u32::MAX));
+        let mut history = FailureHistory::read(&headers);
+        assert_eq!(history.next_attempt(), u32::MAX);
+        history.record_failure();
+        history.record_redelivery();
+        assert_eq!((history.attempts, history.redeliveries), (u32::MAX, u32::MAX));
+        // Out of range, negative or not a number: no history.
+        for value in [
+            AMQPValue::LongLongInt(i64::MAX),
+            AMQPValue::LongLongInt(-1),
+            AMQPValue::LongString("7".into()),
+        ] {
+            headers.insert(headers::ATTEMPTS.into(), value);
+            assert_eq!(FailureHistory::read(&headers).attempts, 0);
+        }
+    }
+
+    #[test]
+    fn every_value_written_is_bounded_and_a_cut_is_marked() {
+        let huge = "é".repeat(100_000); // two bytes each: cuts must respect them
+        let history = FailureHistory {
+            first_failure: Some(huge.clone()),
+            ..FailureHistory::default()
+        };
+        let fault = Fault {
+            reason: &huge,
+            handler: &huge,
+            history,
+            source_queue: "q",
+        };
+        let mut headers = FieldTable::default();
+        headers.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(3));
+        fault.stamp(&mut headers);
+        let text = |key: &str| match headers.inner().get(key) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+            other => panic!("{key}: {other:?}"),
+        };
+        let reason = text(headers::REASON);
+        assert!(
+            reason.len() <= MAX_REASON_BYTES && reason.ends_with(CUT),
+            "{}",
+            reason.len()
+        );
+        assert!(text(headers::HANDLER).len() <= MAX_VALUE_BYTES);
+        assert!(text(headers::FIRST_FAILURE).len() <= MAX_VALUE_BYTES);
+        assert!(!headers.contains_key(headers::DELIVERY_COUNT));
+        assert_eq!(truncate("short", 10), "short");
     }
 }

@@ -42,7 +42,7 @@ pub mod amqp;
 pub use amqp::AmqpPublisher;
 pub use db::create_pool;
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
-pub use error::{Error, HandlerError, Result, describe, is_unavailable};
+pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
@@ -52,7 +52,7 @@ pub use settings::{
     RetentionSettings, RuntimeSettings, Settings,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
-pub use unit_of_work::UnitOfWork;
+pub use unit_of_work::{Nested, UnitOfWork};
 
 // The dependencies that appear in this crate's signatures, so users never
 // fight a version mismatch.

@@ -156,6 +156,21 @@ pub struct QueueSettings {
     /// `prefetch / batch_size`, the batches that can be in flight.
     #[serde(default = "default_concurrent_batches")]
     pub concurrent_batches: u16,
+    /// `delivery_limit`: how many times the broker may deliver a message of
+    /// a quorum queue before it sets it aside in `Q.error` (dead-lettered,
+    /// with the broker's `x-death` header saying `delivery_limit`). Only a
+    /// crash loop gets there: a message whose handler kills the process, or
+    /// one handed back again and again. RabbitMQ 4 gives every quorum queue
+    /// a limit of 20 and drops the message past it unless the queue
+    /// dead-letters: `Q` is declared with this limit and dead-lettering to
+    /// `Q.error`, so nothing is dropped. Classic queues count no deliveries:
+    /// there a crash loop goes on. Default 20.
+    #[serde(default = "default_delivery_limit")]
+    pub delivery_limit: u32,
+}
+
+fn default_delivery_limit() -> u32 {
+    20
 }
 
 fn default_batch_size() -> u16 {
@@ -180,6 +195,7 @@ impl QueueSettings {
             kind: QueueKind::default(),
             batch_size: default_batch_size(),
             concurrent_batches: default_concurrent_batches(),
+            delivery_limit: default_delivery_limit(),
         }
     }
 
@@ -240,7 +256,7 @@ impl FailureSettings {
     /// Where a message goes after failing, given how many delayed
     /// redeliveries it has had.
     pub fn destination(&self, redeliveries: u32) -> Destination {
-        let next = redeliveries as usize + 1;
+        let next = usize::try_from(redeliveries).map_or(usize::MAX, |r| r.saturating_add(1));
         if next <= self.delays.len() {
             Destination::RetryTier(next)
         } else {
@@ -445,9 +461,15 @@ impl Settings {
                 "must be more than 0 (0 would wait forever)",
             ));
         }
-        if db.connect_timeout.is_zero() {
-            return Err(Error::setting("database.connect_timeout", "must be more than 0"));
+        if db.lock_timeout > MAX_PG_TIMEOUT {
+            // The server would refuse every connection, which would look
+            // like an outage that never ends.
+            return Err(Error::setting(
+                "database.lock_timeout",
+                "must be at most 2147483647ms (24 days), the most PostgreSQL accepts",
+            ));
         }
+        bounded(db.connect_timeout, "database.connect_timeout")?;
 
         let mut names = HashSet::new();
         for (i, queue) in self.queues.iter().enumerate() {
@@ -489,6 +511,12 @@ impl Settings {
                     format!("must be from 1 to 64 and at most prefetch ({})", queue.prefetch),
                 ));
             }
+            if !(1..=MAX_DELIVERY_LIMIT).contains(&queue.delivery_limit) {
+                return Err(Error::setting(
+                    &key("delivery_limit"),
+                    format!("must be from 1 to {MAX_DELIVERY_LIMIT}"),
+                ));
+            }
             let in_flight = (queue.prefetch / queue.batch_size).max(1);
             if !(1..=in_flight).contains(&queue.concurrent_batches) {
                 return Err(Error::setting(
@@ -515,12 +543,13 @@ impl Settings {
         if failure.max_body_size == 0 {
             return Err(Error::setting("failure.max_body_size", "must be at least 1"));
         }
-        if self.retention.days == 0 {
-            return Err(Error::setting("retention.days", "must be at least 1"));
+        if !(1..=MAX_RETENTION_DAYS).contains(&self.retention.days) {
+            return Err(Error::setting(
+                "retention.days",
+                format!("must be from 1 to {MAX_RETENTION_DAYS}"),
+            ));
         }
-        if self.retention.interval.is_zero() {
-            return Err(Error::setting("retention.interval", "must be more than 0"));
-        }
+        bounded(self.retention.interval, "retention.interval")?;
         if self.retention.batch_size == 0 {
             return Err(Error::setting("retention.batch_size", "must be at least 1"));
         }
@@ -536,11 +565,32 @@ impl Settings {
                 ),
             ));
         }
-        if self.runtime.shutdown_timeout.is_zero() {
-            return Err(Error::setting("runtime.shutdown_timeout", "must be more than 0"));
-        }
+        bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         Ok(())
     }
+}
+
+/// The highest `queues[].delivery_limit`: the broker reads it as a signed
+/// 32-bit number.
+pub(crate) const MAX_DELIVERY_LIMIT: u32 = i32::MAX as u32;
+
+/// The longest timeout PostgreSQL takes: `INT_MAX` milliseconds.
+const MAX_PG_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// The longest retention: a century. Past it, the sweep's cutoff would
+/// leave PostgreSQL's range of timestamps.
+const MAX_RETENTION_DAYS: u32 = 36_500;
+
+/// The longest wait or interval the runtime takes for a timer setting.
+const MAX_TIMER: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// Checks a timer setting: more than 0 (it would spin or never wait) and at
+/// most a year (a typo, and past what timers are meant for).
+fn bounded(value: Duration, key: &str) -> Result<()> {
+    if value.is_zero() || value > MAX_TIMER {
+        return Err(Error::setting(key, "must be more than 0 and at most a year"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -655,6 +705,19 @@ mod tests {
             ("INBOX__DATABASE__POOL_SIZE", "0", "database.pool_size"),
             ("INBOX__DATABASE__LOCK_TIMEOUT", "soon", "lock_timeout"),
             ("INBOX__DATABASE__LOCK_TIMEOUT", "0s", "database.lock_timeout"),
+            ("INBOX__DATABASE__LOCK_TIMEOUT", "25days", "database.lock_timeout"),
+            (
+                "INBOX__DATABASE__CONNECT_TIMEOUT",
+                "2years",
+                "database.connect_timeout",
+            ),
+            ("INBOX__RETENTION__DAYS", "4294967295", "retention.days"),
+            ("INBOX__RETENTION__INTERVAL", "0s", "retention.interval"),
+            (
+                "INBOX__FAILURE__IMMEDIATE_RETRIES",
+                "4294967295",
+                "failure.immediate_retries",
+            ),
             ("INBOX__DATABASE__URL", "mysql://nope", "database.url"),
             (
                 "INBOX__MESSAGE_BUS__AMQP_URL",
@@ -719,6 +782,10 @@ mod tests {
             (
                 "[[queues]]\nname = \"a\"\nconcurrent_batches = 0\n".to_string(),
                 "queues[0].concurrent_batches",
+            ),
+            (
+                "[[queues]]\nname = \"a\"\ndelivery_limit = 0\n".to_string(),
+                "queues[0].delivery_limit",
             ),
         ];
         for (text, key) in cases {

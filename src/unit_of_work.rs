@@ -1,6 +1,8 @@
 //! The unit of work: one message's transaction, owned, and never returned to
 //! the pool unfinished.
 
+use std::ops::{Deref, DerefMut};
+
 use deadpool_postgres::{ClientWrapper, Object};
 use futures_util::FutureExt;
 use tokio_postgres::error::SqlState;
@@ -15,6 +17,21 @@ use crate::error::{Error, Result};
 /// [`client`](Self::client); [`commit`](Self::commit) and
 /// [`rollback`](Self::rollback) take it by value, so only its owner, the
 /// runtime, can finish it.
+///
+/// The same goes for the savepoints that isolate the messages of a batch:
+/// [`savepoint`](Self::savepoint) and
+/// [`rollback_to_savepoint`](Self::rollback_to_savepoint) take it by value,
+/// so a handler cannot call them:
+///
+/// ```compile_fail
+/// async fn handle(uow: &mut inbox::UnitOfWork) {
+///     // error: cannot move out of `*uow`, which is behind a mutable reference
+///     let _ = uow.savepoint();
+/// }
+/// ```
+///
+/// A handler that needs to undo part of its own work has
+/// [`nested`](Self::nested) scopes.
 ///
 /// Dropped unfinished (a handler panicked, a future was cancelled, `COMMIT`
 /// failed), it discards its connection instead of returning it to the pool:
@@ -36,6 +53,9 @@ pub struct UnitOfWork {
     /// The staged records as they were at the open savepoint (batches keep
     /// one open at a time).
     staged_at_savepoint: Vec<Uuid>,
+    /// How many [`nested`](Self::nested) scopes handlers opened, for their
+    /// savepoints' names.
+    nested_scopes: u32,
 }
 
 impl UnitOfWork {
@@ -52,6 +72,7 @@ impl UnitOfWork {
             staged: Vec::new(),
             savepoints: 0,
             staged_at_savepoint: Vec::new(),
+            nested_scopes: 0,
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -94,6 +115,12 @@ impl UnitOfWork {
     /// previous one is released in the same request), so a batch never
     /// nests subtransactions.
     ///
+    /// Like [`commit`](Self::commit) it takes the unit of work by value:
+    /// only its owner, the runtime, can call it. A handler, which borrows
+    /// the unit of work, cannot release or roll back to the batch's
+    /// savepoints (that would let a failed batch commit effects twice); it
+    /// has [`nested`](Self::nested) scopes of its own.
+    ///
     /// Sent without waiting for the answer: tokio-postgres sends a request
     /// when its future is first polled and runs requests in that order, so
     /// the savepoint reaches the server ahead of the next statement, in the
@@ -103,7 +130,7 @@ impl UnitOfWork {
     /// [`commit`](Self::commit) and `rollback_to_savepoint` (each savepoint
     /// has a name of its own, and this one was never made), so a rollback
     /// can never land on an older savepoint and undo work reported as done.
-    pub fn savepoint(&mut self) -> Result<()> {
+    pub fn savepoint(mut self) -> Result<Self> {
         let sql = match self.savepoints {
             0 => "SAVEPOINT s1".to_owned(),
             n => format!("RELEASE SAVEPOINT s{n}; SAVEPOINT s{}", n + 1),
@@ -113,19 +140,51 @@ impl UnitOfWork {
         }
         self.savepoints += 1;
         self.staged_at_savepoint.clone_from(&self.staged);
-        Ok(())
+        Ok(self)
     }
 
     /// Undoes everything since the last [`savepoint`](Self::savepoint),
     /// including a failed statement, and forgets the records staged since:
     /// their rows are gone. The transaction can go on. Fails if no savepoint
-    /// was made, or if making the last one failed.
-    pub async fn rollback_to_savepoint(&mut self) -> Result<()> {
+    /// was made, or if making the last one failed. By value, like
+    /// `savepoint`: the runtime's alone.
+    pub async fn rollback_to_savepoint(mut self) -> Result<Self> {
         let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.savepoints);
         // Fails when no savepoint was made, before anything is restored.
         self.client().batch_execute(&sql).await?;
         self.staged.clone_from(&self.staged_at_savepoint);
-        Ok(())
+        Ok(self)
+    }
+
+    /// Opens a nested scope for a handler: what runs through it can be
+    /// undone on its own ([`Nested::rollback`]), including a failed
+    /// statement, while the rest of the message's transaction goes on. It
+    /// derefs to the unit of work, so pass it wherever `&mut UnitOfWork`
+    /// goes. A scope dropped without [`release`](Nested::release) or
+    /// `rollback` is rolled back.
+    ///
+    /// Its savepoint has a name of its own (`n1`, `n2`, …), nested inside
+    /// the runtime's, which it can neither release nor roll back to.
+    ///
+    /// ```no_run
+    /// # async fn handler(uow: &mut inbox::UnitOfWork) -> Result<(), inbox::HandlerError> {
+    /// let scope = uow.nested().await?;
+    /// match scope.client().execute("INSERT INTO audit VALUES (1)", &[]).await {
+    ///     Ok(_) => scope.release().await?,
+    ///     // Optional work: undo it, keep the rest of the message's writes.
+    ///     Err(_) => scope.rollback().await?,
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn nested(&mut self) -> Result<Nested<'_>> {
+        self.nested_scopes += 1;
+        let name = format!("n{}", self.nested_scopes);
+        self.client().batch_execute(&format!("SAVEPOINT {name}")).await?;
+        Ok(Nested {
+            uow: self,
+            name,
+            open: true,
+        })
     }
 
     /// Commits. Fails, and discards the connection, when any statement in
@@ -163,6 +222,61 @@ impl Drop for UnitOfWork {
             // Detach from the pool and close: the server aborts the
             // transaction when the connection goes.
             drop(Object::take(connection));
+        }
+    }
+}
+
+/// A handler's nested scope in a unit of work, from
+/// [`UnitOfWork::nested`]: a savepoint of the handler's own.
+#[derive(Debug)]
+pub struct Nested<'a> {
+    uow: &'a mut UnitOfWork,
+    name: String,
+    /// Neither released nor rolled back yet.
+    open: bool,
+}
+
+impl Nested<'_> {
+    /// Keeps what ran in the scope, as part of the message's transaction.
+    pub async fn release(mut self) -> Result<()> {
+        self.open = false;
+        let sql = format!("RELEASE SAVEPOINT {}", self.name);
+        self.uow.client().batch_execute(&sql).await?;
+        Ok(())
+    }
+
+    /// Undoes what ran in the scope, a failed statement included; the
+    /// message's transaction goes on.
+    pub async fn rollback(mut self) -> Result<()> {
+        self.open = false;
+        let sql = format!("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}", self.name);
+        self.uow.client().batch_execute(&sql).await?;
+        Ok(())
+    }
+}
+
+impl Deref for Nested<'_> {
+    type Target = UnitOfWork;
+
+    fn deref(&self) -> &UnitOfWork {
+        self.uow
+    }
+}
+
+impl DerefMut for Nested<'_> {
+    fn deref_mut(&mut self) -> &mut UnitOfWork {
+        self.uow
+    }
+}
+
+impl Drop for Nested<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // Cannot await here: handed to the connection now, it runs
+            // before the next statement (see `UnitOfWork::savepoint`). A
+            // failure shows there, as an aborted transaction.
+            let sql = format!("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}", self.name);
+            let _ = self.uow.client().batch_execute(&sql).now_or_never();
         }
     }
 }

@@ -12,10 +12,14 @@
 //! After lapin recovers the channel, delivery tags start again at 1; the
 //! first tag that does not grow starts a new generation and forgets the old
 //! one, whose deliveries can no longer be settled anyway (their ackers
-//! answer `Ok(false)`).
+//! answer `Ok(false)`). A reconnect gives the consumer a new window, whose
+//! tags start at 1 as well: generations are numbered across every window
+//! of the process, so a delivery of a dead channel, settled late, can never
+//! settle the live channel's delivery that has the same tag.
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use futures_util::FutureExt;
@@ -29,11 +33,28 @@ pub(crate) struct AckWindow {
     state: Mutex<State>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     generation: u64,
     last_tag: u64,
     unsettled: BTreeSet<u64>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            generation: next_generation(),
+            last_tag: 0,
+            unsettled: BTreeSet::new(),
+        }
+    }
+}
+
+/// A generation no window of this process has had: the one counter of
+/// every channel's runs of delivery tags.
+fn next_generation() -> u64 {
+    static GENERATIONS: AtomicU64 = AtomicU64::new(0);
+    GENERATIONS.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A delivery's place in the window: the generation it arrived in.
@@ -120,7 +141,7 @@ impl State {
     fn track(&mut self, tag: u64) -> Ticket {
         if tag <= self.last_tag {
             // The channel was recovered: a new run of tags.
-            self.generation += 1;
+            self.generation = next_generation();
             self.unsettled.clear();
         }
         self.last_tag = tag;
@@ -195,5 +216,27 @@ mod tests {
         state.settle(old[0].0, old[0].1);
         assert!(state.unsettled.contains(&1));
         assert!(state.covers_exactly(&new));
+    }
+
+    #[test]
+    fn a_dead_channels_deliveries_never_settle_the_next_channels() {
+        // A reconnect: a new window for the new channel, tags from 1 again,
+        // while deliveries of the old one are still buffered or in flight.
+        let mut old = State::default();
+        let stale: Vec<(u64, Ticket)> = (1..=6).map(|tag| (tag, old.track(tag))).collect();
+        let mut live = State::default();
+        let fresh: Vec<(u64, Ticket)> = (1..=6).map(|tag| (tag, live.track(tag))).collect();
+        for (tag, ticket) in &stale[4..] {
+            live.settle(*tag, *ticket);
+        }
+        assert_eq!(live.unsettled.len(), 6, "an old ticket erased a live tag");
+        assert!(!live.covers_exactly(&stale[4..]));
+        // Tags 5 and 6 of the live channel are unsettled: a `multiple` ack
+        // of 7 and 8 would pass them.
+        let later: Vec<(u64, Ticket)> = (7..=8).map(|tag| (tag, live.track(tag))).collect();
+        for (tag, ticket) in &fresh[..4] {
+            live.settle(*tag, *ticket);
+        }
+        assert!(!live.covers_exactly(&later));
     }
 }

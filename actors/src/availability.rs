@@ -7,7 +7,7 @@
 //! waiter at a time probes it, with a growing pause; the outage is logged
 //! once when it starts and once when it ends, not once per message.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox::deadpool_postgres::Pool;
@@ -24,6 +24,8 @@ pub(crate) struct DatabaseGate {
     probing: Mutex<()>,
     /// An outage has been logged and not yet its end.
     down: AtomicBool,
+    /// Outages seen so far.
+    outages: AtomicU64,
 }
 
 impl DatabaseGate {
@@ -32,17 +34,24 @@ impl DatabaseGate {
             pool,
             probing: Mutex::new(()),
             down: AtomicBool::new(false),
+            outages: AtomicU64::new(0),
         }
     }
 
     /// Returns once a connection from the pool answers a query. `reason` is
-    /// the failure that sent the caller here, for the log.
-    pub(crate) async fn wait_until_available(&self, reason: &str) {
+    /// the failure that sent the caller here, for the log. Returns whether
+    /// an outage was seen while waiting: `false` means the database answered
+    /// at once, and the failure that sent the caller here may have been the
+    /// message's own doing after all (a handler that kills its connection).
+    pub(crate) async fn wait_until_available(&self, reason: &str) -> bool {
+        let outages = self.outages.load(Ordering::SeqCst);
         let _probing = self.probing.lock().await;
         if self.probe().await {
-            return;
+            // Another waiter may have seen an outage through meanwhile.
+            return self.outages.load(Ordering::SeqCst) != outages;
         }
         if !self.down.swap(true, Ordering::SeqCst) {
+            self.outages.fetch_add(1, Ordering::SeqCst);
             tracing::warn!(%reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
         }
         let started = Instant::now();
@@ -57,6 +66,7 @@ impl DatabaseGate {
         if self.down.swap(false, Ordering::SeqCst) {
             tracing::warn!(after = ?started.elapsed(), "database available again: resuming");
         }
+        true
     }
 
     async fn probe(&self) -> bool {

@@ -365,6 +365,18 @@ impl ConsumerActor {
     fn reconnect(&mut self, ctx: &mut Context<Self>) {
         // From here on, what the old link's stream says is of no concern.
         self.link += 1;
+        // Buffered deliveries of the old link can no longer be acked: its
+        // connection closes below and the broker redelivers them on the new
+        // one (the inbox skips whatever of them committed meanwhile).
+        // Batches already running settle on the old link's window, each
+        // with its own settler.
+        let stale = std::mem::take(&mut self.batching.buffer);
+        if !stale.is_empty() {
+            tracing::info!(queue = %self.queue.name, deliveries = stale.len(), "dropping buffered deliveries of the lost channel; the broker redelivers them");
+        }
+        for _ in stale {
+            self.message_done(ctx);
+        }
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
         let opening = async move {
             let _ = old.close(320, "reconnecting".into()).await;

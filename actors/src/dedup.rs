@@ -62,9 +62,15 @@ pub enum Outcome {
     /// Not processed, nothing committed; it can succeed later (a handler
     /// failed or panicked, the database was unavailable): retry it.
     Abandoned(Abandoned),
-    /// Can never be processed as it is (its body is not the event): to the
-    /// error queue, without retries.
-    Rejected(String),
+    /// Can never be processed as it is (its body is not the event, or a
+    /// handler said so with a [`Permanent`](inbox::Permanent) failure): to
+    /// the error queue at once, without retries.
+    Rejected {
+        /// Where: `deserialize`, or the handler's name.
+        stage: String,
+        /// Why.
+        reason: String,
+    },
     /// No handler is registered for its type: to the skipped queue.
     NoHandler,
 }
@@ -263,18 +269,18 @@ impl Work {
         match self.store.try_begin(&mut uow, &key).await {
             Ok(Claim::Proceed) => {}
             Ok(Claim::Duplicate) => {
-                roll_back(uow).await;
+                let _ = roll_back(uow).await;
                 return Outcome::Duplicate;
             }
             Err(e) => {
-                roll_back(uow).await;
+                let _ = roll_back(uow).await;
                 return Outcome::Abandoned(Abandoned::database("inbox claim", &e));
             }
         }
         match route.one.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
-                    roll_back(uow).await;
+                    let _ = roll_back(uow).await;
                     return Outcome::Abandoned(Abandoned::database("inbox record", &e));
                 }
                 // Ack only after this: a failed COMMIT leaves the message
@@ -287,10 +293,18 @@ impl Work {
             Ok(Handled::Failed { uow, failure }) => {
                 // Alone in its transaction, the message is rolled back whole,
                 // staged inbox record included.
-                if let Some(uow) = uow {
-                    roll_back(uow).await;
+                let mut outcome = Outcome::from(failure);
+                if let Some(uow) = uow
+                    && let Err(lost) = roll_back(uow).await
+                    && let Outcome::Abandoned(abandoned) = &mut outcome
+                {
+                    // The runtime's own connection failed under the
+                    // handler: the database, not the message, is what
+                    // failed. (A handler's error alone never says so: its
+                    // I/O error may be a refused HTTP call.)
+                    abandoned.unavailable = lost.unavailable;
                 }
-                failure.into()
+                outcome
             }
             // The unit of work went down with the message: its connection
             // was discarded.
@@ -373,7 +387,7 @@ impl Work {
         let claims = match self.store.try_begin_batch(&mut uow, keys).await {
             Ok(claims) => claims,
             Err(e) => {
-                roll_back(uow).await;
+                let _ = roll_back(uow).await;
                 return Err(Abandoned::database("inbox claim", &e));
             }
         };
@@ -396,9 +410,10 @@ impl Work {
             return Ok(uow);
         }
 
-        uow.savepoint()
+        let uow = uow
+            .savepoint()
             .map_err(|e| Abandoned::database("savepoint", &e))?;
-        match self
+        let mut uow = match self
             .run_whole_batch(envelopes, members, keys, &claimed, uow)
             .await
         {
@@ -409,22 +424,23 @@ impl Work {
                 return Ok(uow);
             }
             WholeBatch::Failed(failed) => {
-                uow = failed;
-                uow.rollback_to_savepoint()
-                    .await
-                    .map_err(|e| Abandoned::database("rollback to savepoint", &e))?;
                 self.stats.add(Counter::BatchesSplit);
+                failed
+                    .rollback_to_savepoint()
+                    .await
+                    .map_err(|e| Abandoned::database("rollback to savepoint", &e))?
             }
             WholeBatch::Lost(abandoned) => return Err(abandoned),
-        }
+        };
 
         for &position in &claimed {
             let (i, key) = (members[position], &keys[position]);
             let envelope = Arc::clone(&envelopes[i]);
             let route = self.route(&envelope.event_type)?;
-            uow.savepoint()
+            let saved = uow
+                .savepoint()
                 .map_err(|e| Abandoned::database("savepoint", &e))?;
-            let failure = match route.one.send(Handle { envelope, uow }).await {
+            let failure = match route.one.send(Handle { envelope, uow: saved }).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
                         outcomes[i] = Some(Outcome::Completed);
@@ -452,9 +468,10 @@ impl Work {
                 Err(e) => return Err(Abandoned::new("handler actor", e)),
             };
             // This message alone is undone; the batch goes on.
-            if let Err(e) = uow.rollback_to_savepoint().await {
-                return Err(Abandoned::database("rollback to savepoint", &e));
-            }
+            uow = uow
+                .rollback_to_savepoint()
+                .await
+                .map_err(|e| Abandoned::database("rollback to savepoint", &e))?;
             if let Err(e) = self.store.abandon(&mut uow, key).await {
                 return Err(Abandoned::database("inbox abandon", &e));
             }
@@ -545,16 +562,15 @@ fn key(consumer: &str, envelope: &Envelope) -> InboxKey {
 impl From<HandlerFailure> for Outcome {
     fn from(failure: HandlerFailure) -> Self {
         match failure {
-            HandlerFailure::Malformed(reason) => Outcome::Rejected(reason),
-            HandlerFailure::Failed {
-                handler,
-                error,
-                unavailable,
-            } => Outcome::Abandoned(Abandoned {
-                stage: handler.to_owned(),
-                reason: error,
-                unavailable,
-            }),
+            HandlerFailure::Malformed(reason) => Outcome::Rejected {
+                stage: "deserialize".into(),
+                reason,
+            },
+            HandlerFailure::Permanent { handler, reason } => Outcome::Rejected {
+                stage: handler.into(),
+                reason,
+            },
+            HandlerFailure::Failed { handler, error } => Outcome::Abandoned(Abandoned::new(handler, error)),
             HandlerFailure::Panicked { handler, message } => {
                 Outcome::Abandoned(Abandoned::new(handler, format!("panicked: {message}")))
             }
@@ -563,11 +579,13 @@ impl From<HandlerFailure> for Outcome {
 }
 
 /// Rolls back; a failure there already discarded the connection, which is
-/// all a rollback could do more, so it is only logged.
-async fn roll_back(uow: UnitOfWork) {
-    if let Err(e) = uow.rollback().await {
+/// all a rollback could do more, so it is only logged, and returned
+/// classified (a lost connection is an outage).
+async fn roll_back(uow: UnitOfWork) -> Result<(), Abandoned> {
+    uow.rollback().await.map_err(|e| {
         tracing::warn!(error = %e, "rollback failed; the connection was discarded");
-    }
+        Abandoned::database("rollback", &e)
+    })
 }
 
 fn record(stats: &Stats, outcome: &Outcome) {
@@ -575,7 +593,7 @@ fn record(stats: &Stats, outcome: &Outcome) {
         Outcome::Completed => Counter::Completed,
         Outcome::Duplicate => Counter::Duplicates,
         Outcome::Abandoned(_) => Counter::Abandoned,
-        Outcome::Rejected(_) => Counter::Rejected,
+        Outcome::Rejected { .. } => Counter::Rejected,
         Outcome::NoHandler => Counter::Skipped,
     };
     stats.add(counter);

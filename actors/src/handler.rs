@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
-use inbox::{DynEventHandler, Envelope, IntegrationEvent, UnitOfWork};
+use inbox::{DynEventHandler, Envelope, IntegrationEvent, Permanent, UnitOfWork};
 use tracing::Instrument;
 
 /// Run the handlers for one message inside its unit of work.
@@ -57,15 +57,22 @@ pub enum Handled {
 pub enum HandlerFailure {
     /// The body does not deserialize into the event: no attempt can succeed.
     Malformed(String),
-    /// A handler returned an error.
+    /// A handler returned an error: the message may succeed on a later attempt.
     Failed {
         /// The handler's name.
         handler: &'static str,
-        /// Its error, as text.
+        /// Its error, as text (bounded). Whatever it wraps, it is the
+        /// handler's failure: the dedup actor alone tells a lost database
+        /// connection, from its own rollback.
         error: String,
-        /// The error says the database could not be reached
-        /// ([`inbox::is_unavailable`]).
-        unavailable: bool,
+    },
+    /// A handler returned a [`Permanent`](inbox::Permanent) failure: no
+    /// attempt can succeed.
+    Permanent {
+        /// The handler's name.
+        handler: &'static str,
+        /// Its reason, as text (bounded).
+        reason: String,
     },
     /// A handler panicked.
     Panicked {
@@ -153,7 +160,8 @@ async fn run_handlers<E: IntegrationEvent>(
         match serde_json::from_slice(&envelope.body) {
             Ok(event) => events.push(event),
             Err(e) => {
-                let failure = HandlerFailure::Malformed(format!("body is not a valid `{}`: {e}", E::TYPE));
+                let reason = format!("body is not a valid `{}`: {e}", E::TYPE);
+                let failure = HandlerFailure::Malformed(bounded(reason));
                 return Handled::Failed {
                     uow: Some(uow),
                     failure,
@@ -170,10 +178,17 @@ async fn run_handlers<E: IntegrationEvent>(
         match AssertUnwindSafe(handled).catch_unwind().await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                let failure = HandlerFailure::Failed {
-                    handler: name,
-                    error: inbox::describe(error.as_ref()),
-                    unavailable: inbox::is_unavailable(error.as_ref()),
+                let text = bounded(inbox::describe(error.as_ref()));
+                let failure = if Permanent::is_in(error.as_ref()) {
+                    HandlerFailure::Permanent {
+                        handler: name,
+                        reason: text,
+                    }
+                } else {
+                    HandlerFailure::Failed {
+                        handler: name,
+                        error: text,
+                    }
                 };
                 return Handled::Failed {
                     uow: Some(uow),
@@ -187,13 +202,22 @@ async fn run_handlers<E: IntegrationEvent>(
                 myself.do_send(Restart);
                 let failure = HandlerFailure::Panicked {
                     handler: name,
-                    message: panic_message(panic.as_ref()),
+                    message: bounded(panic_message(panic.as_ref())),
                 };
                 return Handled::Failed { uow: None, failure };
             }
         }
     }
     Handled::Done(uow)
+}
+
+/// An error's text cut to what a log line and a header can carry: it may
+/// quote the whole message (serde quotes the offending string).
+fn bounded(text: String) -> String {
+    match inbox::fault::truncate(&text, inbox::fault::MAX_REASON_BYTES) {
+        std::borrow::Cow::Borrowed(_) => text,
+        cut => cut.into_owned(),
+    }
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -49,7 +49,7 @@ impl Publisher {
                     // An event nobody here listens to is not an error.
                     Outcome::NoHandler => Ok(()),
                     Outcome::Abandoned(a) => Err(abandoned(format!("{}: {}", a.stage, a.reason))),
-                    Outcome::Rejected(reason) => Err(abandoned(reason)),
+                    Outcome::Rejected { stage, reason } => Err(abandoned(format!("{stage}: {reason}"))),
                 }
             }
         }

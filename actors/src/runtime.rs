@@ -78,6 +78,18 @@ impl RuntimeBuilder {
             return Err(error);
         }
         settings.validate()?;
+        if settings.message_bus.provider == Provider::Rabbitmq
+            && routes.is_empty()
+            && !settings.queues.is_empty()
+        {
+            let queues: Vec<&str> = settings.queues.iter().map(|q| q.name.as_str()).collect();
+            // Every message would go to Q.skipped, retries in progress included.
+            return Err(Error::Runtime(format!(
+                "no handler is registered, so consuming {} would move every message to its skipped queue: \
+                 register handlers with `.handler(..)` before `start`",
+                queues.join(", ")
+            )));
+        }
 
         let pool = inbox::create_pool(&settings)?;
         if settings.database.run_migrations {

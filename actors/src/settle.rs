@@ -31,6 +31,12 @@ use crate::stats::{Counter, Stats};
 /// struggling; an instant requeue would spin).
 const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
 
+/// How many times in a row a message may be held for a lost connection
+/// while the database answers at once, before the failure counts as an
+/// attempt: a message whose handler kills its own connection would
+/// otherwise loop hot, holding and retrying forever.
+const MAX_HOLDS_IN_VAIN: u32 = 3;
+
 /// What settling a delivery needs; shared by the queue's messages in flight.
 #[derive(Clone)]
 pub(crate) struct Settler {
@@ -206,8 +212,9 @@ impl Settler {
         let span = envelope.span.clone();
         async move {
             let mut retry = 0;
+            let mut holds_in_vain = 0;
             let abandoned: Abandoned = loop {
-                tracing::Span::current().record("attempt", history.attempts + 1);
+                tracing::Span::current().record("attempt", history.next_attempt());
                 let outcome = match first.take() {
                     Some(outcome) => outcome,
                     None => {
@@ -228,10 +235,10 @@ impl Settler {
                         self.stats.record_latency(arrived.elapsed());
                         return;
                     }
-                    Outcome::Rejected(reason) => {
-                        tracing::warn!(%reason, "the body is not the event; moving it to the error queue");
+                    Outcome::Rejected { stage, reason } => {
+                        tracing::warn!(%stage, %reason, "the message can never succeed; moving it to the error queue");
                         // Counted as rejected by the dedup actor.
-                        let fault = self.fault(&reason, "deserialize", history);
+                        let fault = self.fault(&reason, &stage, history);
                         self.move_to(&error_queue(&self.queue), &delivery, ticket, &envelope.body, &fault)
                             .await;
                         return;
@@ -244,17 +251,20 @@ impl Settler {
                             .await;
                         return;
                     }
-                    Outcome::Abandoned(abandoned) if abandoned.unavailable => {
+                    Outcome::Abandoned(abandoned) if abandoned.unavailable && holds_in_vain < MAX_HOLDS_IN_VAIN => {
                         // Not the message's fault: hold it (unacked, so the
                         // prefetch stops further deliveries) until the
                         // database answers, and spend none of its attempts.
                         tracing::debug!(reason = %abandoned.reason, "database unavailable; holding the message");
-                        self.database.wait_until_available(&abandoned.reason).await;
+                        if self.database.wait_until_available(&abandoned.reason).await {
+                            holds_in_vain = 0;
+                        } else {
+                            holds_in_vain += 1;
+                        }
                         continue;
                     }
                     Outcome::Abandoned(abandoned) => {
-                        history.attempts += 1;
-                        history.first_failure.get_or_insert_with(inbox::fault::now);
+                        history.record_failure();
                         if retry < self.failure.immediate_retries {
                             let pause = self.failure.backoff(retry);
                             tracing::warn!(
@@ -273,7 +283,7 @@ impl Settler {
             };
             let (to, counter) = match self.failure.destination(history.redeliveries) {
                 Destination::RetryTier(tier) => {
-                    history.redeliveries += 1;
+                    history.record_redelivery();
                     (retry_queue(&self.queue, tier), Counter::Delayed)
                 }
                 Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),

@@ -6,7 +6,7 @@ use inbox::lapin::BasicProperties;
 use inbox::lapin::options::QueueDeleteOptions;
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, amqp, header, wait_until};
+use crate::support::{Count, Counted, TestEnv, amqp, header, publish_keys, wait_until};
 
 fn properties(message_id: Option<&str>, kind: Option<&str>) -> BasicProperties {
     let mut p = BasicProperties::default().with_content_type("application/json".into());
@@ -163,5 +163,42 @@ async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     })
     .await;
     runtime.shutdown().await;
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_body_quoted_whole_in_its_error_still_reaches_the_error_queue_with_the_reason_cut() {
+    let env = TestEnv::new("huge_reason").await;
+    let settings = env.settings();
+    let max = settings.failure.max_body_size;
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    // serde quotes the offending string whole: 200 KB, and just under the
+    // body limit, are both past the broker's 128 KiB frame.
+    let body = |len: usize| format!(r#"{{"key": "{}"}}"#, "x".repeat(len)).into_bytes();
+    let bodies = [body(200_000), body(max - 16)];
+    for body in &bodies {
+        assert!(body.len() <= max);
+        let id = uuid::Uuid::now_v7().to_string();
+        env.publish_raw(properties(Some(&id), Some("Counted")), body)
+            .await;
+    }
+    publish_keys(&runtime, &env.queue, 0..5).await;
+    wait_until("both are set aside and the others complete", || async {
+        let s = runtime.stats();
+        s.rejected == 2 && s.completed == 5
+    })
+    .await;
+    runtime.shutdown().await;
+    for body in &bodies {
+        let copy = env
+            .take(&inbox::amqp::error_queue(&env.queue))
+            .await
+            .expect("in the error queue");
+        assert_eq!(&copy.data, body, "the body is kept whole");
+        let reason = header(&copy, headers::REASON).unwrap();
+        assert!(reason.len() <= inbox::fault::MAX_REASON_BYTES, "{}", reason.len());
+        assert!(reason.starts_with("body is not a valid `Counted`"), "{reason}");
+        assert!(reason.ends_with("[truncated]"), "{reason}");
+    }
     assert_eq!(env.ready(&env.queue).await, 0);
 }

@@ -7,10 +7,10 @@ use inbox::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settin
 use inbox_actors::{DeliverBatch, Outcome, Runtime};
 
 use crate::hosting::HandWrittenStore;
-use crate::support::{Count, Counted, TestEnv, amqp, increment, wait_until};
+use crate::support::{Count, Counted, TestEnv, amqp, declare, increment, wait_until};
 
 /// Batches of up to 8 among 16 deliveries in flight.
-fn batching(env: &TestEnv) -> Settings {
+pub(crate) fn batching(env: &TestEnv) -> Settings {
     let mut settings = env.settings();
     settings.queues[0].prefetch = 16;
     settings.queues[0].batch_size = 8;
@@ -19,12 +19,9 @@ fn batching(env: &TestEnv) -> Settings {
 
 /// Declares the queue and publishes `messages` before any runtime consumes,
 /// so that deliveries are ready together and batches form.
-async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
+pub(crate) async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
+    declare(settings).await;
     let connection = amqp().await;
-    let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
-        .await
-        .unwrap();
     let publisher = AmqpPublisher::new(&connection, "").await.unwrap();
     for message in messages {
         publisher
@@ -36,7 +33,7 @@ async fn prefill(settings: &Settings, messages: &[&Message<Counted>]) {
 }
 
 /// [`prefill`] with one new message per key, in this order.
-async fn prefill_keys(settings: &Settings, keys: impl IntoIterator<Item = i64>) {
+pub(crate) async fn prefill_keys(settings: &Settings, keys: impl IntoIterator<Item = i64>) {
     let messages: Vec<_> = keys
         .into_iter()
         .map(|key| Message::new(Counted { key }))
@@ -97,7 +94,7 @@ impl EventHandler<Counted> for CountSetBased {
     }
 }
 
-async fn counts(env: &TestEnv, table: &str) -> HashMap<i64, i64> {
+pub(crate) async fn counts(env: &TestEnv, table: &str) -> HashMap<i64, i64> {
     let rows = env
         .db()
         .await

@@ -3,12 +3,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox::amqp::{error_queue, retry_queue};
+use inbox::amqp::{SetAside, error_queue, retry_queue};
 use inbox::fault::headers;
 use inbox::{AmqpPublisher, EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Counted, TestEnv, amqp, header, increment, wait_until};
+use crate::support::{Count, Counted, TestEnv, amqp, declare, header, increment, wait_until};
 
 /// Fails while `broken` is set (or for its first `fail_first` calls), and
 /// counts every call; counts like `Count` when it succeeds.
@@ -243,7 +243,7 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
         .unwrap();
 
     let only: HashSet<_> = [failed.id, processed.id].into();
-    let report = inbox::amqp::replay(&connection, &env.queue, Some(&only))
+    let report = inbox::amqp::replay(&connection, &env.queue, SetAside::Error, Some(&only))
         .await
         .unwrap();
     assert_eq!((report.replayed, report.left), (2, 1));
@@ -266,6 +266,14 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
         left.properties.message_id().as_ref().unwrap().as_str(),
         also_failed.id.to_string()
     );
+    // It went round without being handed back, which on a quorum queue
+    // would have spent one of its deliveries (the broker counts from 0).
+    let count = header(&left, "x-delivery-count");
+    assert!(matches!(count.as_deref(), None | Some("0")), "{count:?}");
+    assert_eq!(
+        header(&left, headers::REASON).as_deref(),
+        Some("the ledger is closed (call 2)")
+    );
     assert_eq!(env.ready(&error_queue(&env.queue)).await, 0);
 }
 
@@ -275,20 +283,127 @@ async fn a_queue_declared_with_other_arguments_is_one_startup_error_naming_it() 
     let mut settings = env.settings();
     // The queue exists as a classic queue; the settings say quorum.
     settings.queues[0].kind = inbox::QueueKind::Classic;
-    let connection = amqp().await;
-    inbox::amqp::declare_topology(
-        &connection.create_channel().await.unwrap(),
-        &settings.queues[0],
-        &settings.failure,
-    )
-    .await
-    .unwrap();
+    declare(&settings).await;
     settings.queues[0].kind = inbox::QueueKind::Quorum;
 
-    let error = match Runtime::builder(settings).start().await {
+    let error = match Runtime::builder(settings).handler(Count).start().await {
         Ok(_) => panic!("the runtime started over a mismatched queue"),
         Err(error) => error.to_string(),
     };
     assert!(error.contains(&format!("`{}`", env.queue)), "{error}");
-    assert!(error.contains("x-queue-type"), "{error}");
+    assert!(error.contains("inequivalent arg"), "{error}");
+}
+
+#[actix_rt::test]
+async fn a_message_delivered_past_the_delivery_limit_lands_in_the_error_queue() {
+    let env = TestEnv::new("delivery_limit").await;
+    let mut settings = env.settings();
+    settings.queues[0].delivery_limit = 2;
+    declare(&settings).await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let message = Message::new(Counted { key: 1 });
+    AmqpPublisher::new(&connection, "")
+        .await
+        .unwrap()
+        .publish(&env.queue, &message)
+        .await
+        .unwrap();
+
+    // A consumer that crashes on it every time, as far as the broker sees:
+    // handed back again and again. On RabbitMQ 4 a quorum queue without
+    // dead-lettering would drop it past its limit; on 3.x it would loop.
+    let mut deliveries = 0;
+    wait_until("the broker stops delivering it", || {
+        let (channel, queue) = (channel.clone(), env.queue.clone());
+        deliveries += 1;
+        async move {
+            let options = inbox::lapin::options::BasicGetOptions { no_ack: false };
+            match channel.basic_get(queue.as_str().into(), options).await.unwrap() {
+                Some(got) => {
+                    let requeue = inbox::lapin::options::BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    };
+                    got.delivery.acker.nack(requeue).await.unwrap();
+                    false
+                }
+                None => true,
+            }
+        }
+    })
+    .await;
+    assert!(deliveries >= 3, "delivered {deliveries} times");
+    wait_until("it is dead-lettered", || async {
+        env.ready(&error_queue(&env.queue)).await == 1
+    })
+    .await;
+    let copy = env.take(&error_queue(&env.queue)).await.unwrap();
+    assert_eq!(copy.data, message.to_json().unwrap());
+    assert_eq!(
+        death_reason(&copy).as_deref(),
+        Some("delivery_limit"),
+        "the broker says why"
+    );
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// The reason of the newest `x-death` entry the broker stamped.
+fn death_reason(delivery: &inbox::lapin::message::Delivery) -> Option<String> {
+    use inbox::lapin::types::AMQPValue;
+    let headers = delivery.properties.headers().as_ref()?;
+    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
+        return None;
+    };
+    match newest.inner().get("reason")? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        _ => None,
+    }
+}
+
+#[actix_rt::test]
+async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_registered() {
+    let env = TestEnv::new("replay_skipped").await;
+    let settings = env.settings();
+    declare(&settings).await;
+    let connection = amqp().await;
+    // Set aside while no handler for its type was registered (a runtime
+    // deployed without it), with the fault headers the move stamps.
+    let message = Message::new(Counted { key: 9 });
+    let fault = inbox::fault::Fault {
+        reason: "no handler registered for type `Counted`",
+        handler: "dispatch",
+        history: inbox::fault::FailureHistory::default(),
+        source_queue: &env.queue,
+    };
+    let mut stamped = inbox::lapin::types::FieldTable::default();
+    fault.stamp(&mut stamped);
+    let properties = inbox::lapin::BasicProperties::default()
+        .with_message_id(message.id.to_string().into())
+        .with_type("Counted".into())
+        .with_headers(stamped);
+    AmqpPublisher::new(&connection, "")
+        .await
+        .unwrap()
+        .publish_raw(
+            &inbox::amqp::skipped_queue(&env.queue),
+            properties,
+            &message.to_json().unwrap(),
+        )
+        .await
+        .unwrap();
+
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let report = inbox::amqp::replay(&connection, &env.queue, SetAside::Skipped, None)
+        .await
+        .unwrap();
+    assert_eq!((report.replayed, report.left), (1, 0));
+    wait_until("it is processed", || async { runtime.stats().completed == 1 }).await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 9).await, 1);
+    assert_eq!(env.ready(&inbox::amqp::skipped_queue(&env.queue)).await, 0);
+    connection.close(200, "done".into()).await.unwrap();
 }

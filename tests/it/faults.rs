@@ -4,7 +4,18 @@ use inbox::Message;
 use inbox_actors::Runtime;
 
 use crate::proxy::Proxy;
-use crate::support::{Captured, Count, Counted, TestEnv, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, publish_keys, wait_until};
+
+/// Points `settings` at PostgreSQL through a proxy the test can cut.
+async fn through_proxy(settings: &mut inbox::Settings) -> Proxy {
+    let real = settings.pg_config().unwrap();
+    let port = real.get_ports().first().copied().unwrap_or(5432);
+    let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
+    let user = real.get_user().unwrap_or("postgres");
+    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/postgres", proxy.port);
+    settings.database.connect_timeout = Duration::from_secs(1);
+    proxy
+}
 
 #[actix_rt::test]
 async fn a_database_outage_pauses_consumption_and_loses_nothing() {
@@ -12,13 +23,7 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     let logs = Captured::default();
     let _capturing = logs.install();
     let mut settings = env.settings();
-    // The runtime reaches PostgreSQL through a proxy this test can cut.
-    let real = settings.pg_config().unwrap();
-    let port = real.get_ports().first().copied().unwrap_or(5432);
-    let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
-    let user = real.get_user().unwrap_or("postgres");
-    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/postgres", proxy.port);
-    settings.database.connect_timeout = Duration::from_secs(1);
+    let proxy = through_proxy(&mut settings).await;
     let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
     let publisher = runtime.publisher().clone();
     for key in 0..20 {
@@ -169,4 +174,76 @@ async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
     for key in 0..5 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
+}
+
+/// Counts every key but `key`, on which it always fails.
+struct CountAllBut {
+    key: i64,
+}
+
+impl inbox::EventHandler<Counted> for CountAllBut {
+    async fn handle(&self, event: &Counted, uow: &mut inbox::UnitOfWork) -> Result<(), inbox::HandlerError> {
+        if event.key == self.key {
+            return Err("fails on purpose".into());
+        }
+        crate::support::increment(uow, "counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its_commit() {
+    let env = TestEnv::new("reconnect_with_buffer").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    let proxy = through_proxy(&mut settings).await;
+    settings.queues[0].prefetch = 8;
+    settings.queues[0].batch_size = 4;
+    settings.failure.delays = Vec::new();
+    let runtime = Runtime::builder(settings)
+        .handler(CountAllBut { key: 5 })
+        .start()
+        .await
+        .unwrap();
+
+    // The database goes away: the first batch is held, the deliveries that
+    // arrive after it wait in the buffer.
+    proxy.cut();
+    publish_keys(&runtime, &env.queue, 0..8).await;
+    wait_until("a batch is held", || async { runtime.stats().abandoned > 0 }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Meanwhile the broker closes the consumer's channel: the consumer
+    // reconnects and the broker redelivers all eight on the new channel,
+    // whose delivery tags start at 1 again.
+    broker_closes_the_consumer_channels(&env.queue);
+    wait_until("the consumer is back", || async {
+        logs.text().contains("consuming again")
+    })
+    .await;
+    proxy.restore();
+    // More messages after the failing one, acked while it is still retried.
+    publish_keys(&runtime, &env.queue, 8..24).await;
+    wait_until("all but key 5 complete and key 5 is dead-lettered", || async {
+        let s = runtime.stats();
+        s.dead_lettered >= 1 && env.scalar("SELECT count(*) FROM counts").await == 23
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    runtime.shutdown().await;
+
+    let text = logs.text();
+    assert_eq!(
+        text.matches("the broker closed the consumer's channel").count(),
+        1,
+        "an ack reached the broker for a delivery it had already settled (a `multiple` ack passed it):\n{text}"
+    );
+    for key in (0..24).filter(|&k| k != 5) {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    assert_eq!(env.ready(&env.queue).await, 0);
+    assert_eq!(
+        env.ready(&inbox::amqp::error_queue(&env.queue)).await,
+        1,
+        "key 5 was set aside once: the stale copy was not processed"
+    );
 }

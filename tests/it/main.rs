@@ -22,5 +22,7 @@ mod batching;
 mod faults;
 // Graceful shutdown: drain what is in flight, within the timeout.
 mod shutdown;
+// Hostile input and handler errors: never a hot loop, a crash or a drop.
+mod hardening;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
 mod hosting;

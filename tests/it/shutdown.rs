@@ -5,7 +5,7 @@ use std::time::Duration;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Counted, TestEnv, increment, wait_until};
+use crate::support::{Counted, TestEnv, increment, publish_keys, wait_until};
 
 /// Counts after a pause, and says when the first call began.
 struct Slow {
@@ -32,13 +32,7 @@ async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
         pause: Duration::from_millis(300),
     };
     let runtime = Runtime::builder(settings).handler(slow).start().await.unwrap();
-    for key in 0..5 {
-        runtime
-            .publisher()
-            .publish(&env.queue, &Message::new(Counted { key }))
-            .await
-            .unwrap();
-    }
+    publish_keys(&runtime, &env.queue, 0..5).await;
     wait_until("the first message is in its handler", || async {
         started.load(Ordering::SeqCst)
     })

@@ -268,6 +268,28 @@ pub fn header(delivery: &Delivery, key: &str) -> Option<String> {
     })
 }
 
+/// Publishes one new message per key, in order, through the runtime.
+pub async fn publish_keys(runtime: &inbox_actors::Runtime, queue: &str, keys: impl IntoIterator<Item = i64>) {
+    for key in keys {
+        runtime
+            .publisher()
+            .publish(queue, &inbox::Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+}
+
+/// Declares the topology of the first queue `settings` list, as a runtime
+/// would at its start.
+pub async fn declare(settings: &Settings) {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
 /// Polls `condition` until it holds, failing the test after 30 s with `what`.
 pub async fn wait_until<F, Fut>(what: &str, mut condition: F)
 where

@@ -132,9 +132,9 @@ async fn rolling_back_to_a_savepoint_forgets_the_records_staged_since() {
     let mut uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
     let (before, after) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     uow.stage(before);
-    uow.savepoint().unwrap();
+    let mut uow = uow.savepoint().unwrap();
     uow.stage(after);
-    uow.rollback_to_savepoint().await.unwrap();
+    let uow = uow.rollback_to_savepoint().await.unwrap();
     // The row staged after the savepoint is gone with the rollback; a store
     // trusting the stale mark would skip writing it again.
     assert!(uow.is_staged(before));
