@@ -24,6 +24,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{AttendeeCheckedIn, XorShift};
@@ -281,8 +282,10 @@ async fn wait_for_queue(settings: &Settings, queue: &str) -> Result<()> {
     }
 }
 
-async fn connect(settings: &Settings) -> Result<Connection> {
-    Ok(Connection::connect(&settings.message_bus.amqp_url, Default::default()).await?)
+async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
+    Ok(Arc::new(
+        Connection::connect(&settings.message_bus.amqp_url, Default::default()).await?,
+    ))
 }
 
 /// Messages ready in `queue`.
@@ -307,7 +310,7 @@ async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
     let mut random = XorShift(0x5eed_cafe_f00d_0001);
     let mut published = Published::default();
     let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::new();
-    let mut publisher: Option<(Connection, AmqpPublisher)> = None;
+    let mut publisher: Option<(Arc<Connection>, AmqpPublisher)> = None;
     let total = EVENTS + FAILING + 6;
     for i in 0..total {
         let item = if i % (EVENTS / FAILING) == 7 && published.failing.len() < FAILING {

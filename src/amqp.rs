@@ -7,12 +7,15 @@
 //! attempt, or can never succeed) and `Q.skipped` (no handler for their type).
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use uuid::Uuid;
 
 use crate::envelope::JSON;
@@ -46,11 +49,93 @@ pub fn skipped_queue(queue: &str) -> String {
 /// Connects to `message_bus.amqp_url` with lapin's automatic recovery on
 /// (connection, channels, topology, consumers and QoS are replayed after a
 /// network fault). `name` shows in the broker's connection list.
-pub async fn connect(settings: &Settings, name: &str) -> Result<Connection> {
-    let properties = ConnectionProperties::default()
-        .enable_auto_recover()
-        .with_connection_name(LongString::from(name));
-    Ok(Connection::connect(&settings.message_bus.amqp_url, properties).await?)
+///
+/// Tries again with a growing pause for up to `message_bus.connect_timeout`
+/// (each attempt bounded by what is left of it): a broker that is down or
+/// unreachable at start is a WARN per attempt naming it, then an
+/// [`Error::Unreachable`], never a silent hang. The connection logs the
+/// broker's `connection.blocked` (a memory or disk alarm: publishing stops)
+/// and `connection.unblocked`.
+pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
+    let endpoint = settings.broker_endpoint();
+    let timeout = settings.message_bus.connect_timeout;
+    let started = std::time::Instant::now();
+    let mut pause = FIRST_CONNECT_PAUSE;
+    loop {
+        let left = timeout.saturating_sub(started.elapsed());
+        let properties = ConnectionProperties::default()
+            .enable_auto_recover()
+            .with_connection_name(LongString::from(name));
+        // With recovery on, lapin retries a refused TCP connection by itself,
+        // 16 times over minutes and without a word: reach the port first, so
+        // that each failure is seen and logged here.
+        let attempt = async {
+            reach(&settings.message_bus.amqp_url).await?;
+            Connection::connect(&settings.message_bus.amqp_url, properties)
+                .await
+                .map_err(|e| crate::describe(&e))
+        };
+        let cause = match tokio::time::timeout(left, attempt).await {
+            Ok(Ok(connection)) => {
+                log_alarms(&connection, name, &endpoint);
+                return Ok(Arc::new(connection));
+            }
+            Ok(Err(cause)) => cause,
+            Err(_) => format!("no answer within {}", humantime::format_duration(left)),
+        };
+        let remaining = timeout.saturating_sub(started.elapsed());
+        if remaining.is_zero() {
+            return Err(Error::Unreachable {
+                service: "broker",
+                endpoint,
+                waited: timeout,
+                key: "message_bus.connect_timeout",
+                cause,
+            });
+        }
+        tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying again in {pause:?}");
+        tokio::time::sleep(pause.min(remaining)).await;
+        pause = (pause * 2).min(MAX_CONNECT_PAUSE);
+    }
+}
+
+/// Opens (and closes) a TCP connection to the broker `url` names.
+async fn reach(url: &str) -> std::result::Result<(), String> {
+    let uri: lapin::uri::AMQPUri = url.parse()?;
+    let address = (uri.authority.host.as_str(), uri.authority.port);
+    tokio::net::TcpStream::connect(address)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// The first pause between connection attempts; doubled up to
+/// [`MAX_CONNECT_PAUSE`].
+pub(crate) const FIRST_CONNECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+pub(crate) const MAX_CONNECT_PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Logs the broker's resource alarms as they reach `connection`: while one
+/// lasts, the broker takes no publishes (moves to retry tiers and the error
+/// queue wait, then hand their message back).
+fn log_alarms(connection: &Connection, name: &str, endpoint: &str) {
+    use futures_util::StreamExt;
+    use lapin::Event;
+    let mut events = connection.events_listener();
+    let (name, endpoint) = (name.to_owned(), endpoint.to_owned());
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            match event {
+                Event::ConnectionBlocked(reason) => tracing::warn!(
+                    broker = %endpoint, connection = %name, %reason,
+                    "the broker blocked the connection (a resource alarm): publishing waits until it lifts"
+                ),
+                Event::ConnectionUnblocked => {
+                    tracing::warn!(broker = %endpoint, connection = %name, "the broker unblocked the connection")
+                }
+                _ => {}
+            }
+        }
+    });
 }
 
 /// Declares `Q`, its retry tiers, `Q.error` and `Q.skipped`: durable, of the
@@ -139,23 +224,73 @@ fn text(value: &str) -> AMQPValue {
 }
 
 /// Publishes with publisher confirms: every `publish` returns once the broker
-/// has taken responsibility for the message, and fails otherwise.
+/// has taken responsibility for the message, and fails otherwise, within
+/// its confirm timeout.
+///
+/// A channel error (publishing to an exchange that does not exist, say)
+/// closes the channel on the broker's side: the publish that caused it
+/// fails, and the next one opens a fresh channel, so one bad publish never
+/// stops the ones after it. Clones share the channel.
 #[derive(Clone)]
 pub struct AmqpPublisher {
-    channel: Channel,
+    connection: Arc<Connection>,
+    channel: Arc<tokio::sync::Mutex<Channel>>,
     exchange: String,
+    confirm_timeout: Duration,
 }
+
+/// How long a publish waits for the broker's confirm unless told otherwise.
+const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl AmqpPublisher {
     /// Opens a confirming channel on `connection` that publishes to `exchange`
     /// (`""` is the default exchange, where the routing key is a queue name).
-    pub async fn new(connection: &Connection, exchange: impl Into<String>) -> Result<Self> {
-        let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    /// Confirms are awaited for 30 s; see
+    /// [`with_confirm_timeout`](Self::with_confirm_timeout).
+    pub async fn new(connection: &Arc<Connection>, exchange: impl Into<String>) -> Result<Self> {
+        let channel = confirming_channel(connection).await?;
         Ok(Self {
-            channel,
+            connection: Arc::clone(connection),
+            channel: Arc::new(tokio::sync::Mutex::new(channel)),
             exchange: exchange.into(),
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
         })
+    }
+
+    /// Waits at most `timeout` for each publish's confirm: a broker under a
+    /// resource alarm takes no publishes, and a network that drops packets
+    /// answers nothing. Past it the publish fails (the message may still
+    /// arrive: a caller that tries again sends a duplicate, which the
+    /// receiving inbox skips).
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// Declares `exchange` (durable, of type topic) unless it is the default
+    /// exchange `""`. An exchange that exists with another type is an
+    /// [`Error::Exchange`] naming it.
+    pub async fn declare_exchange(&self) -> Result<()> {
+        if self.exchange.is_empty() {
+            return Ok(());
+        }
+        let options = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let channel = self.live_channel().await?;
+        channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| Error::Exchange {
+                exchange: self.exchange.clone(),
+                reason: crate::describe(&e),
+            })
     }
 
     /// Publishes `message` with its id as `message_id`, its type as `type`,
@@ -171,7 +306,8 @@ impl AmqpPublisher {
     }
 
     /// Publishes `body` with `properties` as they are. Fails unless the
-    /// broker confirms it and routed it to at least one queue.
+    /// broker confirms it, within the confirm timeout, and routed it to at
+    /// least one queue.
     pub async fn publish_raw(
         &self,
         routing_key: &str,
@@ -182,25 +318,36 @@ impl AmqpPublisher {
             .message_id()
             .as_ref()
             .map_or_else(|| "none".to_owned(), |id| id.as_str().to_owned());
-        let options = BasicPublishOptions {
-            mandatory: true, // an unroutable message comes back instead of vanishing
-            ..BasicPublishOptions::default()
-        };
-        let confirmation = self
-            .channel
-            .basic_publish(
-                self.exchange.as_str().into(),
-                routing_key.into(),
-                options,
-                body,
-                properties,
-            )
-            .await?
-            .await?;
         let not_confirmed = |reason: String| Error::NotConfirmed {
             message_id: message_id.clone(),
             routing_key: routing_key.to_owned(),
             reason,
+        };
+        let options = BasicPublishOptions {
+            mandatory: true, // an unroutable message comes back instead of vanishing
+            ..BasicPublishOptions::default()
+        };
+        let channel = self.live_channel().await?;
+        let confirmed = async {
+            channel
+                .basic_publish(
+                    self.exchange.as_str().into(),
+                    routing_key.into(),
+                    options,
+                    body,
+                    properties,
+                )
+                .await?
+                .await
+        };
+        let confirmation = match tokio::time::timeout(self.confirm_timeout, confirmed).await {
+            Ok(confirmation) => confirmation?,
+            Err(_) => {
+                let waited = humantime::format_duration(self.confirm_timeout);
+                return Err(not_confirmed(format!(
+                    "no confirm within {waited} (a resource alarm, or a network that answers nothing)"
+                )));
+            }
         };
         if !confirmation.is_ack() {
             return Err(not_confirmed("the broker nacked it".into()));
@@ -214,10 +361,33 @@ impl AmqpPublisher {
         Ok(())
     }
 
-    /// The channel it publishes on.
-    pub fn channel(&self) -> &Channel {
-        &self.channel
+    /// The channel to publish on: the current one, or a fresh one if the
+    /// broker closed it (a channel error). While lapin recovers a lost
+    /// connection, the current one is kept: it comes back with it.
+    async fn live_channel(&self) -> Result<Channel> {
+        let mut channel = self.channel.lock().await;
+        let status = channel.status();
+        if !status.connected() && !status.reconnecting() && self.connection.status().connected() {
+            tracing::info!(exchange = %self.exchange, "the publishing channel was closed by the broker; opening another");
+            *channel = confirming_channel(&self.connection).await?;
+        }
+        Ok(channel.clone())
     }
+
+    /// Closes the channel.
+    pub async fn close(&self) -> Result<()> {
+        let channel = self.channel.lock().await;
+        if channel.status().connected() {
+            channel.close(200, "done".into()).await?;
+        }
+        Ok(())
+    }
+}
+
+async fn confirming_channel(connection: &Connection) -> Result<Channel> {
+    let channel = connection.create_channel().await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(channel)
 }
 
 /// Where [`replay`] takes messages from.
@@ -260,7 +430,7 @@ pub struct ReplayReport {
 /// their order holds and none is ever handed back to the broker (on a
 /// quorum queue that would spend a delivery of each).
 pub async fn replay(
-    connection: &Connection,
+    connection: &Arc<Connection>,
     queue: &str,
     from: SetAside,
     only: Option<&HashSet<Uuid>>,
@@ -308,7 +478,7 @@ pub async fn replay(
         delivery.acker.ack(BasicAckOptions::default()).await?;
     }
     channel.close(200, "replay done".into()).await?;
-    publisher.channel().close(200, "replay done".into()).await?;
+    publisher.close().await?;
     Ok(report)
 }
 

@@ -1,6 +1,8 @@
 //! The inbox's connection pool.
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use std::time::Instant;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
 use crate::error::{Error, Result};
@@ -25,4 +27,40 @@ pub fn create_pool(settings: &Settings) -> Result<Pool> {
         .create_timeout(Some(settings.database.connect_timeout))
         .build()
         .map_err(|e| Error::Runtime(format!("cannot build the database pool: {e}")))
+}
+
+/// A connection from `pool`, waiting for the database the way a start
+/// should: a database that is down or unreachable is tried again with a
+/// growing pause for up to `database.connect_timeout`, each failed attempt a
+/// WARN naming it (host, port and database, never the password), then an
+/// [`Error::Unreachable`]. A database that answers but refuses (it does not
+/// exist, a wrong password) fails at once, with the server's own words.
+pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Object> {
+    let endpoint = settings.database_endpoint();
+    let timeout = settings.database.connect_timeout;
+    let started = Instant::now();
+    let mut pause = crate::amqp::FIRST_CONNECT_PAUSE;
+    loop {
+        let error = match pool.get().await {
+            Ok(connection) => return Ok(connection),
+            Err(e) => Error::Pool(e),
+        };
+        if !error.is_unavailable() {
+            return Err(Error::Runtime(format!("database {endpoint}: {error}")));
+        }
+        let cause = crate::describe(&error);
+        let remaining = timeout.saturating_sub(started.elapsed());
+        if remaining.is_zero() {
+            return Err(Error::Unreachable {
+                service: "database",
+                endpoint,
+                waited: timeout,
+                key: "database.connect_timeout",
+                cause,
+            });
+        }
+        tracing::warn!(database = %endpoint, %cause, "cannot connect to the database; trying again in {pause:?}");
+        tokio::time::sleep(pause.min(remaining)).await;
+        pause = (pause * 2).min(crate::amqp::MAX_CONNECT_PAUSE);
+    }
 }

@@ -122,6 +122,33 @@ pub enum Error {
         reason: String,
     },
 
+    /// The exchange publishing sends to could not be declared, typically
+    /// because it exists with another type.
+    #[error("cannot declare exchange `{exchange}`: {reason}")]
+    Exchange {
+        /// The exchange (`message_bus.exchange`).
+        exchange: String,
+        /// What the broker said.
+        reason: String,
+    },
+
+    /// The start could not reach the broker or the database: every attempt
+    /// failed until the connect timeout. Names where it tried (never the
+    /// password) and the last attempt's cause.
+    #[error("cannot reach the {service} at {endpoint} within {} ({key}): {cause}", humantime::format_duration(*.waited))]
+    Unreachable {
+        /// `broker` or `database`.
+        service: &'static str,
+        /// `host:port/vhost` or `host:port/dbname`.
+        endpoint: String,
+        /// How long the start kept trying.
+        waited: std::time::Duration,
+        /// The setting that bounds the wait.
+        key: &'static str,
+        /// Why the last attempt failed.
+        cause: String,
+    },
+
     /// The runtime was asked for something its state does not allow
     /// (started twice, handlers that clash, a stopped actor).
     #[error("{0}")]
@@ -184,9 +211,10 @@ pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
         }
         if let Some(pool) = e.downcast_ref::<PoolError>() {
             match pool {
-                PoolError::Backend(_) | PoolError::Timeout(TimeoutType::Create | TimeoutType::Recycle) => {
-                    return true;
-                }
+                // A refused or broken connection is an outage; a server that
+                // answered "no such database" or "wrong password" is not.
+                PoolError::Backend(backend) => return is_unavailable(backend),
+                PoolError::Timeout(TimeoutType::Create | TimeoutType::Recycle) => return true,
                 PoolError::PostCreateHook(_) => return true,
                 _ => {}
             }

@@ -40,7 +40,7 @@ mod unit_of_work;
 pub mod amqp;
 
 pub use amqp::AmqpPublisher;
-pub use db::create_pool;
+pub use db::{create_pool, wait_for_database};
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
 pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};

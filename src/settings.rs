@@ -45,8 +45,8 @@ pub enum Provider {
     InProcess,
 }
 
-/// `[message_bus]`.
-#[derive(Debug, Clone, Deserialize)]
+/// `[message_bus]`. Its `Debug` hides the password in `amqp_url`.
+#[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MessageBusSettings {
     /// `provider`: `rabbitmq` or `in_process`. Default `rabbitmq`.
@@ -60,6 +60,19 @@ pub struct MessageBusSettings {
     /// Default unset: on for `rabbitmq`, off for `in_process`. An explicit
     /// value wins both ways; see [`Settings::is_inbox_enabled`].
     pub enable_inbox: Option<bool>,
+    /// `connect_timeout`: how long the start keeps trying to reach the
+    /// broker (each failed attempt is a WARN naming it) before it fails;
+    /// also the longest one connection attempt may take later, when a
+    /// consumer reconnects. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// `confirm_timeout`: the longest a publish waits for the broker's
+    /// confirm. A broker under a memory or disk alarm takes no publishes,
+    /// and a network that drops packets answers nothing: past this, a move
+    /// to a retry tier or `Q.error` hands its message back to the broker
+    /// (to be tried again later), and a publish from code fails. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub confirm_timeout: Duration,
 }
 
 impl Default for MessageBusSettings {
@@ -69,12 +82,27 @@ impl Default for MessageBusSettings {
             amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             exchange: String::new(),
             enable_inbox: None,
+            connect_timeout: Duration::from_secs(30),
+            confirm_timeout: Duration::from_secs(30),
         }
     }
 }
 
-/// `[database]`.
-#[derive(Debug, Clone, Deserialize)]
+impl std::fmt::Debug for MessageBusSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageBusSettings")
+            .field("provider", &self.provider)
+            .field("amqp_url", &redact(&self.amqp_url))
+            .field("exchange", &self.exchange)
+            .field("enable_inbox", &self.enable_inbox)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish()
+    }
+}
+
+/// `[database]`. Its `Debug` hides the password in `url`.
+#[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatabaseSettings {
     /// `url`: PostgreSQL connection URL. Default `postgres://postgres@127.0.0.1:5432/postgres`.
@@ -94,9 +122,57 @@ pub struct DatabaseSettings {
     /// there if the other delivery committed). Default `5s`.
     #[serde(with = "humantime_serde")]
     pub lock_timeout: Duration,
-    /// `connect_timeout`: the longest to wait for a new connection. Default `5s`.
+    /// `connect_timeout`: the longest one new connection may take; also how
+    /// long the start keeps trying to reach the database (each failed
+    /// attempt is a WARN naming it) before it fails. Default `5s`.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for DatabaseSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseSettings")
+            .field("url", &redact(&self.url))
+            .field("name", &self.name)
+            .field("pool_size", &self.pool_size)
+            .field("run_migrations", &self.run_migrations)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// `url` with its password, if any, replaced by `***`: in the
+/// `scheme://user:password@host` form, and in PostgreSQL's `key=value`
+/// form (`password=...`). For logs, errors and `Debug`.
+pub(crate) fn redact(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        if let Some((userinfo, host)) = authority.rsplit_once('@')
+            && let Some((user, _password)) = userinfo.split_once(':')
+        {
+            return format!("{scheme}://{user}:***@{host}{}", redact_options(tail));
+        }
+        return format!("{scheme}://{authority}{}", redact_options(tail));
+    }
+    redact_options(url)
+}
+
+/// `password=...` (a `key=value` connection string, or a URL's query)
+/// with the value replaced by `***`.
+fn redact_options(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("password=") {
+        let value = at + "password=".len();
+        out.push_str(&rest[..value]);
+        out.push_str("***");
+        let end = rest[value..].find([' ', '&']).map_or(rest.len(), |e| value + e);
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Default for DatabaseSettings {
@@ -335,11 +411,14 @@ impl Default for RuntimeSettings {
 }
 
 impl Settings {
-    /// Loads `config/default.toml`, `config/{INBOX_ENV}.toml` and the
-    /// `INBOX__SECTION__KEY` environment over the built-in defaults, relative
-    /// to the working directory, and validates the result.
+    /// Loads `default.toml`, `{INBOX_ENV}.toml` and the
+    /// `INBOX__SECTION__KEY` environment over the built-in defaults, and
+    /// validates the result. The files are in `INBOX_CONFIG_DIR`, or in
+    /// `config/` under the working directory. Which files were read is
+    /// logged at INFO (and a folder without any at WARN): a service started
+    /// elsewhere must not run on the defaults unnoticed.
     pub fn load() -> Result<Self> {
-        Self::load_from(Path::new("config"))
+        Self::load_from(&config_dir(std::env::var_os("INBOX_CONFIG_DIR")))
     }
 
     /// Like [`Settings::load`], with the settings files in `dir`.
@@ -365,8 +444,24 @@ impl Settings {
         // default.toml is optional (the built-in defaults are the same values);
         // a named environment whose file is missing is a mistake worth stopping for.
         let mut builder = Config::builder().add_source(File::with_name(&path("default")).required(false));
+        let mut files: Vec<String> = Some(dir.join("default.toml"))
+            .filter(|file| file.is_file())
+            .map(|file| file.display().to_string())
+            .into_iter()
+            .collect();
         if let Some(env) = inbox_env {
             builder = builder.add_source(File::with_name(&path(env)).required(true));
+            files.push(dir.join(format!("{env}.toml")).display().to_string());
+        }
+        if files.is_empty() {
+            let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+            tracing::warn!(
+                dir = %dir.display(),
+                "no settings file found (set INBOX_CONFIG_DIR to the folder that holds default.toml): \
+                 running on the built-in defaults and INBOX__ variables"
+            );
+        } else {
+            tracing::info!(files = %files.join(", "), "settings loaded");
         }
         let settings: Settings = builder
             .add_source(
@@ -402,6 +497,39 @@ impl Settings {
         self.message_bus
             .enable_inbox
             .unwrap_or(self.message_bus.provider != Provider::InProcess)
+    }
+
+    /// Where the broker is, for logs and errors: `host:port`, then
+    /// `/vhost` unless it is the default `/`; never the password.
+    pub fn broker_endpoint(&self) -> String {
+        match self.message_bus.amqp_url.parse::<lapin::uri::AMQPUri>() {
+            Ok(uri) if uri.vhost == "/" => format!("{}:{}", uri.authority.host, uri.authority.port),
+            Ok(uri) => format!("{}:{}/{}", uri.authority.host, uri.authority.port, uri.vhost),
+            Err(_) => redact(&self.message_bus.amqp_url),
+        }
+    }
+
+    /// Where the database is, for logs and errors: `host:port/dbname` (every
+    /// host, for a list), never the password.
+    pub fn database_endpoint(&self) -> String {
+        let Ok(config) = self.pg_config() else {
+            return redact(&self.database.url);
+        };
+        let ports = config.get_ports();
+        let hosts: Vec<String> = config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match host {
+                    tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                    #[cfg(unix)]
+                    tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+                }
+            })
+            .collect();
+        format!("{}/{}", hosts.join(","), config.get_dbname().unwrap_or(""))
     }
 
     /// The PostgreSQL connection settings: `database.url` with
@@ -470,6 +598,8 @@ impl Settings {
             ));
         }
         bounded(db.connect_timeout, "database.connect_timeout")?;
+        bounded(bus.connect_timeout, "message_bus.connect_timeout")?;
+        bounded(bus.confirm_timeout, "message_bus.confirm_timeout")?;
 
         let mut names = HashSet::new();
         for (i, queue) in self.queues.iter().enumerate() {
@@ -568,6 +698,13 @@ impl Settings {
         bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         Ok(())
     }
+}
+
+/// The settings folder: `INBOX_CONFIG_DIR` when set, else `config`.
+fn config_dir(variable: Option<std::ffi::OsString>) -> std::path::PathBuf {
+    variable
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| "config".into(), Into::into)
 }
 
 /// The highest `queues[].delivery_limit`: the broker reads it as a signed
@@ -829,6 +966,41 @@ mod tests {
             failure.longest_redelivery_path(),
             Duration::from_millis(3_930_000 + 2_800)
         );
+    }
+
+    #[test]
+    fn the_settings_folder_is_inbox_config_dir_or_config() {
+        assert_eq!(config_dir(None), Path::new("config"));
+        assert_eq!(config_dir(Some("".into())), Path::new("config"));
+        assert_eq!(config_dir(Some("/etc/checkin".into())), Path::new("/etc/checkin"));
+    }
+
+    #[test]
+    fn no_password_shows_in_debug_or_endpoints() {
+        let mut settings = Settings::default();
+        settings.message_bus.amqp_url = "amqp://app:s3cret-bus@broker.internal:5673/prod".into();
+        settings.database.url = "postgres://app:s3cret-db@db.internal:5433/orders?sslmode=disable".into();
+        let shown = format!(
+            "{settings:?} {} {}",
+            settings.broker_endpoint(),
+            settings.database_endpoint()
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(
+            shown.contains("amqp://app:***@broker.internal:5673/prod"),
+            "{shown}"
+        );
+        assert_eq!(settings.broker_endpoint(), "broker.internal:5673/prod");
+        assert_eq!(settings.database_endpoint(), "db.internal:5433/orders");
+        assert_eq!(
+            redact("host=db user=app password=s3cret dbname=orders"),
+            "host=db user=app password=*** dbname=orders"
+        );
+        assert_eq!(
+            redact("postgres://db/orders?password=s3cret&x=1"),
+            "postgres://db/orders?password=***&x=1"
+        );
+        assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
     }
 
     #[test]

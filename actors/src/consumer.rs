@@ -132,9 +132,11 @@ impl Link {
                 FieldTable::default(),
             )
             .await?;
-        let forwarder = AmqpPublisher::new(&connection, "").await?;
+        let forwarder = AmqpPublisher::new(&connection, "")
+            .await?
+            .with_confirm_timeout(settings.message_bus.confirm_timeout);
         Ok(Self {
-            connection: Arc::new(connection),
+            connection,
             channel,
             stream,
             forwarder,

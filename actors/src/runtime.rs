@@ -92,10 +92,11 @@ impl RuntimeBuilder {
         }
 
         let pool = inbox::create_pool(&settings)?;
+        let mut connection = inbox::wait_for_database(&pool, &settings).await?;
         if settings.database.run_migrations {
-            let mut connection = pool.get().await?;
             inbox::run_migrations(&mut connection).await?;
         }
+        drop(connection);
         let inbox_on = settings.is_inbox_enabled();
         if settings.message_bus.provider == Provider::Rabbitmq && !inbox_on {
             tracing::warn!(
@@ -190,7 +191,7 @@ pub struct Runtime {
     pool: Pool,
     dedup: Addr<DedupActor>,
     /// Publishing's own broker connection (each queue consumer has another).
-    publisher_connection: Option<inbox::lapin::Connection>,
+    publisher_connection: Option<Arc<inbox::lapin::Connection>>,
     consumers: Vec<Addr<ConsumerActor>>,
     retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
@@ -209,11 +210,23 @@ impl Runtime {
     }
 
     async fn start_consuming(&mut self) -> Result<()> {
+        if self.settings.queues.is_empty() {
+            tracing::warn!(
+                "no queue to consume: the settings list no [[queues]] (is INBOX_CONFIG_DIR, or config/ under the \
+                 working directory, the folder with the service's settings?); publishing only"
+            );
+        } else {
+            let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
+            tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
+        }
         // Publishing has a connection of its own; each queue has another.
         let connection = amqp::connect(&self.settings, "inbox publisher").await?;
-        self.publisher = Publisher::Amqp(
-            inbox::AmqpPublisher::new(&connection, self.settings.message_bus.exchange.clone()).await?,
-        );
+        let bus = &self.settings.message_bus;
+        let publisher = inbox::AmqpPublisher::new(&connection, bus.exchange.clone())
+            .await?
+            .with_confirm_timeout(bus.confirm_timeout);
+        publisher.declare_exchange().await?;
+        self.publisher = Publisher::Amqp(publisher);
         self.publisher_connection = Some(connection);
         let database = Arc::new(DatabaseGate::new(self.pool.clone()));
         for queue in &self.settings.queues {

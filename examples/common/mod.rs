@@ -103,7 +103,7 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
 /// The service's own tables, created before anything is consumed.
 pub async fn create_tables(settings: &Settings) -> inbox::Result<()> {
     let pool = inbox::create_pool(settings)?;
-    pool.get()
+    inbox::wait_for_database(&pool, settings)
         .await?
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS attendee_checkins (attendee_id bigint PRIMARY KEY, checkins bigint NOT NULL);

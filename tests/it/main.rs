@@ -24,5 +24,7 @@ mod faults;
 mod shutdown;
 // Hostile input and handler errors: never a hot loop, a crash or a drop.
 mod hardening;
+// The first hour: services down at start, errors that name their cause, settings found on purpose.
+mod startup;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
 mod hosting;

@@ -251,10 +251,11 @@ impl Drop for TestEnv {
     }
 }
 
-pub async fn amqp() -> Connection {
-    Connection::connect(&amqp_url(), ConnectionProperties::default())
+pub async fn amqp() -> Arc<Connection> {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
-        .expect("connect to RabbitMQ")
+        .expect("connect to RabbitMQ");
+    Arc::new(connection)
 }
 
 /// A header of `delivery` as text (strings) or its debug form (others).

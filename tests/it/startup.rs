@@ -1,0 +1,225 @@
+//! The first hour: a broker or database that is down at start, errors that
+//! say why and where, settings found on purpose.
+
+use std::time::{Duration, Instant};
+
+use inbox::lapin::ExchangeKind;
+use inbox::lapin::options::ExchangeDeclareOptions;
+use inbox::lapin::types::FieldTable;
+use inbox::{AmqpPublisher, Message, Settings};
+use inbox_actors::Runtime;
+
+use crate::support::{Captured, Count, Counted, TestEnv, amqp, declare, wait_until};
+
+/// A port on loopback where nothing listens.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+async fn start_error(settings: Settings) -> String {
+    match Runtime::builder(settings).handler(Count).start().await {
+        Ok(_) => panic!("the runtime started"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[actix_rt::test]
+async fn a_broker_down_at_start_is_retried_then_an_error_naming_it() {
+    let env = TestEnv::new("broker_down").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    let port = closed_port();
+    settings.message_bus.amqp_url = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
+    settings.message_bus.connect_timeout = Duration::from_secs(2);
+    let started = Instant::now();
+    let error = start_error(settings).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let endpoint = format!("127.0.0.1:{port}");
+    assert!(error.contains(&endpoint), "{error}");
+    assert!(error.contains("message_bus.connect_timeout"), "{error}");
+    let text = logs.text();
+    let attempts = text
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("cannot connect to the broker") && l.contains(&endpoint))
+        .count();
+    assert!(attempts >= 2, "a WARN per failed attempt:\n{text}");
+    assert!(
+        !text.contains("s3cret") && !error.contains("s3cret"),
+        "{error}\n{text}"
+    );
+}
+
+#[actix_rt::test]
+async fn a_database_down_at_start_is_retried_then_an_error_naming_it() {
+    let env = TestEnv::new("database_down").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    let port = closed_port();
+    settings.database.url = format!("postgres://postgres:s3cret@127.0.0.1:{port}/postgres");
+    settings.database.connect_timeout = Duration::from_secs(1);
+    let error = start_error(settings).await;
+    let endpoint = format!("127.0.0.1:{port}/{}", env.database);
+    assert!(error.contains(&endpoint), "{error}");
+    assert!(error.contains("database.connect_timeout"), "{error}");
+    assert!(error.contains("refused"), "the cause is kept: {error}");
+    let text = logs.text();
+    assert!(
+        text.contains("cannot connect to the database") && text.contains(&endpoint),
+        "{text}"
+    );
+    assert!(
+        !text.contains("s3cret") && !error.contains("s3cret"),
+        "{error}\n{text}"
+    );
+}
+
+#[actix_rt::test]
+async fn a_database_that_does_not_exist_is_one_error_in_the_servers_words() {
+    let env = TestEnv::new("database_missing").await;
+    let mut settings = env.settings();
+    settings.database.name = Some("inbox_test_no_such_database".into());
+    let started = Instant::now();
+    let error = start_error(settings).await;
+    assert!(
+        error.contains(r#"database "inbox_test_no_such_database" does not exist"#),
+        "{error}"
+    );
+    assert!(error.contains("127.0.0.1:5432"), "{error}");
+    // Not an outage: no point waiting for it.
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[actix_rt::test]
+async fn the_settings_files_read_are_logged_and_a_folder_without_any_warns() {
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let dir = std::env::temp_dir().join(format!("inbox-startup-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Settings::load_from(&dir).unwrap();
+    assert!(logs.text().contains("no settings file found"), "{}", logs.text());
+    std::fs::write(dir.join("default.toml"), "[[queues]]\nname = \"orders\"\n").unwrap();
+    let settings = Settings::load_from(&dir).unwrap();
+    assert_eq!(settings.queues[0].name, "orders");
+    let text = logs.text();
+    assert!(
+        text.contains("settings loaded") && text.contains(&dir.join("default.toml").display().to_string()),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[actix_rt::test]
+async fn a_broker_runtime_that_consumes_nothing_says_so() {
+    let env = TestEnv::new("consumes_nothing").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    settings.queues.clear();
+    let runtime = Runtime::builder(settings).start().await.unwrap();
+    runtime.shutdown().await;
+    assert!(logs.text().contains("no queue to consume"), "{}", logs.text());
+}
+
+#[actix_rt::test]
+async fn the_exchange_is_declared_at_start_and_one_of_another_type_is_an_error_naming_it() {
+    let env = TestEnv::new("exchange_declared").await;
+    let mut settings = env.settings();
+    let exchange = format!("{}.events", env.queue);
+    settings.message_bus.exchange = exchange.clone();
+    let runtime = Runtime::builder(settings.clone())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    runtime.shutdown().await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Topic,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+        .expect("the start declared the exchange");
+    channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
+
+    // Someone else declared it as a direct exchange.
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Direct,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let error = start_error(settings).await;
+    assert!(error.contains(&format!("exchange `{exchange}`")), "{error}");
+    assert!(error.contains("inequivalent arg 'type'"), "{error}");
+    channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
+}
+
+#[actix_rt::test]
+async fn a_publish_the_broker_refuses_with_a_channel_error_does_not_stop_the_next_ones() {
+    let env = TestEnv::new("publisher_recovers").await;
+    declare(&env.settings()).await;
+    let connection = amqp().await;
+    let exchange = format!("{}.late", env.queue);
+    let publisher = AmqpPublisher::new(&connection, exchange.clone()).await.unwrap();
+    let message = Message::new(Counted { key: 1 });
+    // The exchange does not exist yet: the broker closes the channel.
+    let error = publisher.publish(&env.queue, &message).await.unwrap_err();
+    assert!(error.to_string().contains("NOT_FOUND"), "{error}");
+    let setup = connection.create_channel().await.unwrap();
+    setup
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Topic,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    setup
+        .queue_bind(
+            env.queue.as_str().into(),
+            exchange.as_str().into(),
+            env.queue.as_str().into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        publisher.publish(&env.queue, &message).await.unwrap();
+    }
+    wait_until("both arrive", || async { env.ready(&env.queue).await == 2 }).await;
+    setup
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
+}
