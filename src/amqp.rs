@@ -230,13 +230,30 @@ fn text(value: &str) -> AMQPValue {
 /// A channel error (publishing to an exchange that does not exist, say)
 /// closes the channel on the broker's side: the publish that caused it
 /// fails, and the next one opens a fresh channel, so one bad publish never
-/// stops the ones after it. Clones share the channel.
+/// stops the ones after it. A publisher from [`connect`](Self::connect)
+/// owns its connection and also opens a new one when lapin's recovery has
+/// given up or has not brought it back within `message_bus.connect_timeout`
+/// (a network that drops packets). Clones share the channel.
 #[derive(Clone)]
 pub struct AmqpPublisher {
-    connection: Arc<Connection>,
-    channel: Arc<tokio::sync::Mutex<Channel>>,
+    link: Arc<tokio::sync::Mutex<PublishLink>>,
+    /// How to connect again, for a publisher that owns its connection.
+    redial: Option<Arc<Redial>>,
     exchange: String,
     confirm_timeout: Duration,
+}
+
+/// A publisher's connection and channel.
+struct PublishLink {
+    connection: Arc<Connection>,
+    channel: Channel,
+    /// Since when the connection has been seen down.
+    down_since: Option<std::time::Instant>,
+}
+
+struct Redial {
+    settings: Settings,
+    name: String,
 }
 
 /// How long a publish waits for the broker's confirm unless told otherwise.
@@ -250,11 +267,31 @@ impl AmqpPublisher {
     pub async fn new(connection: &Arc<Connection>, exchange: impl Into<String>) -> Result<Self> {
         let channel = confirming_channel(connection).await?;
         Ok(Self {
-            connection: Arc::clone(connection),
-            channel: Arc::new(tokio::sync::Mutex::new(channel)),
+            link: Arc::new(tokio::sync::Mutex::new(PublishLink {
+                connection: Arc::clone(connection),
+                channel,
+                down_since: None,
+            })),
+            redial: None,
             exchange: exchange.into(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
         })
+    }
+
+    /// A publisher with a connection of its own ([`connect`]ed as `name`),
+    /// to `message_bus.exchange`, confirms awaited for
+    /// `message_bus.confirm_timeout`. It connects again by itself when its
+    /// connection is lost for good.
+    pub async fn connect(settings: &Settings, name: &str) -> Result<Self> {
+        let connection = connect(settings, name).await?;
+        let mut publisher = Self::new(&connection, settings.message_bus.exchange.clone())
+            .await?
+            .with_confirm_timeout(settings.message_bus.confirm_timeout);
+        publisher.redial = Some(Arc::new(Redial {
+            settings: settings.clone(),
+            name: name.to_owned(),
+        }));
+        Ok(publisher)
     }
 
     /// Waits at most `timeout` for each publish's confirm: a broker under a
@@ -361,26 +398,67 @@ impl AmqpPublisher {
         Ok(())
     }
 
-    /// The channel to publish on: the current one, or a fresh one if the
-    /// broker closed it (a channel error). While lapin recovers a lost
-    /// connection, the current one is kept: it comes back with it.
+    /// The channel to publish on: the current one; a fresh one if the
+    /// broker closed it (a channel error); on a fresh connection if this
+    /// publisher owns its connection and it is lost for good. While lapin
+    /// recovers a lost connection, the current channel is kept: it comes
+    /// back with it.
     async fn live_channel(&self) -> Result<Channel> {
-        let mut channel = self.channel.lock().await;
-        let status = channel.status();
-        if !status.connected() && !status.reconnecting() && self.connection.status().connected() {
-            tracing::info!(exchange = %self.exchange, "the publishing channel was closed by the broker; opening another");
-            *channel = confirming_channel(&self.connection).await?;
+        let mut link = self.link.lock().await;
+        if let Some(redial) = &self.redial
+            && link.given_up(redial.settings.message_bus.connect_timeout)
+        {
+            tracing::warn!(connection = %redial.name, "the publishing connection is lost; connecting again");
+            let connection = connect(&redial.settings, &redial.name).await?;
+            let channel = confirming_channel(&connection).await?;
+            let old = std::mem::replace(
+                &mut *link,
+                PublishLink {
+                    connection,
+                    channel,
+                    down_since: None,
+                },
+            );
+            tokio::spawn(async move {
+                let _ = old.connection.close(320, "replaced".into()).await;
+            });
         }
-        Ok(channel.clone())
+        let status = link.channel.status();
+        if !status.connected() && !status.reconnecting() && link.connection.status().connected() {
+            tracing::info!(exchange = %self.exchange, "the publishing channel was closed by the broker; opening another");
+            link.channel = confirming_channel(&link.connection).await?;
+        }
+        Ok(link.channel.clone())
     }
 
-    /// Closes the channel.
+    /// Closes the channel, and the connection if this publisher owns it.
     pub async fn close(&self) -> Result<()> {
-        let channel = self.channel.lock().await;
-        if channel.status().connected() {
-            channel.close(200, "done".into()).await?;
+        let link = self.link.lock().await;
+        if self.redial.is_some() {
+            link.connection.close(200, "done".into()).await?;
+        } else if link.channel.status().connected() {
+            link.channel.close(200, "done".into()).await?;
         }
         Ok(())
+    }
+}
+
+impl PublishLink {
+    /// Whether the connection is lost for good: closed, or still
+    /// recovering after `patience`.
+    fn given_up(&mut self, patience: Duration) -> bool {
+        let status = self.connection.status();
+        if status.connected() {
+            self.down_since = None;
+            return false;
+        }
+        if !status.reconnecting() && !status.connecting() {
+            return true;
+        }
+        self.down_since
+            .get_or_insert_with(std::time::Instant::now)
+            .elapsed()
+            > patience
     }
 }
 

@@ -25,6 +25,9 @@ pub fn create_pool(settings: &Settings) -> Result<Pool> {
         .max_size(settings.database.pool_size)
         .runtime(Runtime::Tokio1)
         .create_timeout(Some(settings.database.connect_timeout))
+        // Connections free up as transactions end, each within its bound.
+        .wait_timeout(Some(settings.database.transaction_timeout))
+        .recycle_timeout(Some(settings.database.connect_timeout))
         .build()
         .map_err(|e| Error::Runtime(format!("cannot build the database pool: {e}")))
 }

@@ -197,7 +197,7 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// runtime judges a failed handler by whether the unit of work's own
 /// connection is still open instead.
 pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
-    use deadpool_postgres::{PoolError, TimeoutType};
+    use deadpool_postgres::PoolError;
     let mut current = Some(error);
     while let Some(e) = current {
         if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
@@ -214,7 +214,9 @@ pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
                 // A refused or broken connection is an outage; a server that
                 // answered "no such database" or "wrong password" is not.
                 PoolError::Backend(backend) => return is_unavailable(backend),
-                PoolError::Timeout(TimeoutType::Create | TimeoutType::Recycle) => return true,
+                // Wait: every connection stayed busy past the transaction
+                // timeout, as they do when the network drops their packets.
+                PoolError::Timeout(_) => return true,
                 PoolError::PostCreateHook(_) => return true,
                 _ => {}
             }

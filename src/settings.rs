@@ -127,6 +127,16 @@ pub struct DatabaseSettings {
     /// attempt is a WARN naming it) before it fails. Default `5s`.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
+    /// `transaction_timeout`: the longest one message's (or one batch's)
+    /// transaction may take, handlers included. Past it the runtime
+    /// abandons the transaction, closes its connection and holds the
+    /// message as during an outage (a network that drops packets without
+    /// closing answers nothing, forever). The server ends a statement, and a
+    /// session idle inside a transaction, past the same time, so that a
+    /// client cut off mid-transaction does not keep its row locks. Also
+    /// the longest wait for a free pooled connection. Default `60s`.
+    #[serde(with = "humantime_serde")]
+    pub transaction_timeout: Duration,
 }
 
 impl std::fmt::Debug for DatabaseSettings {
@@ -138,6 +148,7 @@ impl std::fmt::Debug for DatabaseSettings {
             .field("run_migrations", &self.run_migrations)
             .field("lock_timeout", &self.lock_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("transaction_timeout", &self.transaction_timeout)
             .finish()
     }
 }
@@ -184,6 +195,7 @@ impl Default for DatabaseSettings {
             run_migrations: true,
             lock_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            transaction_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -545,12 +557,28 @@ impl Settings {
             config.dbname(name);
         }
         config.connect_timeout(db.connect_timeout);
-        // A session setting rather than SET LOCAL in every transaction: one
-        // statement less per message.
-        let lock_timeout = format!("-c lock_timeout={}", db.lock_timeout.as_millis().max(1));
+        // A peer that vanished without closing: keepalives find an idle
+        // connection dead within about 30 s, and unacknowledged writes fail
+        // after 30 s, instead of the system's two hours or more.
+        config
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(15))
+            .tcp_user_timeout(Duration::from_secs(30));
+        #[cfg(unix)]
+        config
+            .keepalives_interval(Duration::from_secs(5))
+            .keepalives_retries(3);
+        // Session settings rather than SET LOCAL in every transaction: no
+        // statement more per message.
+        let lock = db.lock_timeout.as_millis().max(1);
+        let transaction = db.transaction_timeout.as_millis().max(1);
+        let session = format!(
+            "-c lock_timeout={lock} -c statement_timeout={transaction} \
+             -c idle_in_transaction_session_timeout={transaction}"
+        );
         let options = match config.get_options() {
-            Some(given) if !given.is_empty() => format!("{given} {lock_timeout}"),
-            _ => lock_timeout,
+            Some(given) if !given.is_empty() => format!("{given} {session}"),
+            _ => session,
         };
         config.options(&options);
         Ok(config)
@@ -598,6 +626,12 @@ impl Settings {
             ));
         }
         bounded(db.connect_timeout, "database.connect_timeout")?;
+        if db.transaction_timeout.is_zero() || db.transaction_timeout > MAX_PG_TIMEOUT {
+            return Err(Error::setting(
+                "database.transaction_timeout",
+                "must be more than 0 and at most 2147483647ms (24 days), the most PostgreSQL accepts",
+            ));
+        }
         bounded(bus.connect_timeout, "message_bus.connect_timeout")?;
         bounded(bus.confirm_timeout, "message_bus.confirm_timeout")?;
 
@@ -1018,7 +1052,10 @@ mod tests {
         let config = settings.pg_config().unwrap();
         assert_eq!(
             config.get_options(),
-            Some("-c search_path=app -c lock_timeout=1500")
+            Some(
+                "-c search_path=app -c lock_timeout=1500 -c statement_timeout=60000 \
+                 -c idle_in_transaction_session_timeout=60000"
+            )
         );
     }
 }

@@ -10,7 +10,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inbox::deadpool_postgres::Pool;
+use inbox::Settings;
+use inbox::deadpool_postgres::{Object, Pool};
 use tokio::sync::Mutex;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].
@@ -20,6 +21,11 @@ const MAX_PAUSE: Duration = Duration::from_secs(5);
 /// Shared by a runtime's consumers.
 pub(crate) struct DatabaseGate {
     pool: Pool,
+    /// Where the database is, for the log.
+    endpoint: String,
+    /// The longest a probe may take (`database.connect_timeout`): a network
+    /// that drops packets answers nothing.
+    probe_timeout: Duration,
     /// Held by the waiter that probes; the others queue behind it.
     probing: Mutex<()>,
     /// An outage has been logged and not yet its end.
@@ -29,9 +35,11 @@ pub(crate) struct DatabaseGate {
 }
 
 impl DatabaseGate {
-    pub(crate) fn new(pool: Pool) -> Self {
+    pub(crate) fn new(pool: Pool, settings: &Settings) -> Self {
         Self {
             pool,
+            endpoint: settings.database_endpoint(),
+            probe_timeout: settings.database.connect_timeout,
             probing: Mutex::new(()),
             down: AtomicBool::new(false),
             outages: AtomicU64::new(0),
@@ -52,7 +60,7 @@ impl DatabaseGate {
         }
         if !self.down.swap(true, Ordering::SeqCst) {
             self.outages.fetch_add(1, Ordering::SeqCst);
-            tracing::warn!(%reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
+            tracing::warn!(database = %self.endpoint, %reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
         }
         let started = Instant::now();
         let mut pause = FIRST_PAUSE;
@@ -70,9 +78,18 @@ impl DatabaseGate {
     }
 
     async fn probe(&self) -> bool {
-        match self.pool.get().await {
-            Ok(connection) => connection.simple_query("SELECT 1").await.is_ok(),
-            Err(_) => false,
+        let limit = self.probe_timeout;
+        let Ok(Ok(connection)) = tokio::time::timeout(limit, self.pool.get()).await else {
+            return false;
+        };
+        match tokio::time::timeout(limit, connection.simple_query("SELECT 1")).await {
+            Ok(answer) => answer.is_ok(),
+            Err(_) => {
+                // No answer: a connection stuck like this one is no use to
+                // the next message.
+                drop(Object::take(connection));
+                false
+            }
         }
     }
 }

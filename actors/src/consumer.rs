@@ -88,6 +88,11 @@ pub struct ConsumerActor {
     /// Which link the connection, channel and stream belong to: counts the
     /// reconnects, so that the end of an abandoned link's stream is ignored.
     link: u64,
+    /// A new link is being opened.
+    reconnecting: bool,
+    /// Since when the connection has been down (lapin recovering it), as
+    /// last seen by the watchdog.
+    down_since: Option<Instant>,
     in_flight: usize,
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
@@ -150,6 +155,8 @@ const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(30);
 /// How long after a consumer stream error to look whether lapin is
 /// recovering the channel, or the broker closed it for good.
 const CHANNEL_CHECK_PAUSE: Duration = Duration::from_secs(1);
+/// How often the watchdog looks at the connection.
+const WATCHDOG_EVERY: Duration = Duration::from_secs(1);
 
 /// An item of a link's consumer stream, tagged with the link.
 struct Consumed {
@@ -200,6 +207,8 @@ impl ConsumerActor {
             tag: link.stream.tag(),
             stream: Some(link.stream),
             link: 0,
+            reconnecting: false,
+            down_since: None,
             in_flight: 0,
             draining: false,
             drained: Vec::new(),
@@ -260,6 +269,7 @@ impl Actor for ConsumerActor {
         }
         let settler = &self.settler;
         tracing::info!(queue = %settler.queue, consumer = %settler.consumer, "consuming");
+        ctx.run_interval(WATCHDOG_EVERY, |actor, ctx| actor.watch_connection(ctx));
     }
 }
 
@@ -360,6 +370,29 @@ impl ConsumerActor {
         }
     }
 
+    /// The watchdog: lapin's recovery has no bound of its own, and a
+    /// handshake with a broker whose packets vanish waits forever, with
+    /// neither an error nor an end on the consumer stream. A connection down
+    /// for longer than `message_bus.connect_timeout` is given up, and the
+    /// actor reconnects itself.
+    fn watch_connection(&mut self, ctx: &mut Context<Self>) {
+        if self.draining || self.reconnecting || self.connection.status().connected() {
+            self.down_since = None;
+            return;
+        }
+        let since = *self.down_since.get_or_insert_with(Instant::now);
+        let patience = self.settings.message_bus.connect_timeout;
+        if since.elapsed() > patience {
+            tracing::warn!(
+                queue = %self.queue.name,
+                broker = %self.settings.broker_endpoint(),
+                "the broker connection has been down for over {patience:?} without recovering; reconnecting"
+            );
+            self.down_since = None;
+            self.reconnect(ctx);
+        }
+    }
+
     /// Opens a new link with a growing pause between tries, then consumes
     /// from it. Messages still in flight on the old link settle there as
     /// they can; an ack that no longer reaches the broker means a
@@ -367,6 +400,7 @@ impl ConsumerActor {
     fn reconnect(&mut self, ctx: &mut Context<Self>) {
         // From here on, what the old link's stream says is of no concern.
         self.link += 1;
+        self.reconnecting = true;
         // Buffered deliveries of the old link can no longer be acked: its
         // connection closes below and the broker redelivers them on the new
         // one (the inbox skips whatever of them committed meanwhile).
@@ -381,7 +415,9 @@ impl ConsumerActor {
         }
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
         let opening = async move {
-            let _ = old.close(320, "reconnecting".into()).await;
+            // Bounded: a connection whose packets vanish never answers.
+            let closing = old.close(320, "reconnecting".into());
+            let _ = tokio::time::timeout(settings.message_bus.connect_timeout, closing).await;
             let mut pause = FIRST_RECONNECT_PAUSE;
             loop {
                 match Link::open(&settings, &queue).await {
@@ -395,6 +431,7 @@ impl ConsumerActor {
             }
         };
         ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
+            actor.reconnecting = false;
             if actor.draining {
                 // Shut down meanwhile: nothing more to consume.
                 actix_rt::spawn(async move {

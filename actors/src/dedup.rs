@@ -15,8 +15,10 @@
 //! each after a savepoint of its own: a failure rolls back that message only.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
@@ -125,6 +127,9 @@ pub type Routes = HashMap<String, Route>;
 /// Owns the pool and the store; runs each message's unit of work.
 pub struct DedupActor {
     pool: Pool,
+    /// `database.transaction_timeout`: the longest a message's (or a
+    /// batch's) unit of work may take.
+    transaction_timeout: Duration,
     store: Arc<dyn DynInboxStore>,
     routes: Arc<Routes>,
     stats: Arc<Stats>,
@@ -137,10 +142,20 @@ pub struct DedupActor {
 }
 
 impl DedupActor {
-    /// An actor over `pool` and `store`, dispatching to `routes`.
-    pub fn new(pool: Pool, store: Arc<dyn DynInboxStore>, routes: Routes, stats: Arc<Stats>) -> Self {
+    /// An actor over `pool` and `store`, dispatching to `routes`; a
+    /// message's unit of work that takes longer than `transaction_timeout`
+    /// is abandoned (its connection closed) and the message held as in an
+    /// outage.
+    pub fn new(
+        pool: Pool,
+        store: Arc<dyn DynInboxStore>,
+        routes: Routes,
+        stats: Arc<Stats>,
+        transaction_timeout: Duration,
+    ) -> Self {
         Self {
             pool,
+            transaction_timeout,
             store,
             routes: Arc::new(routes),
             stats,
@@ -179,12 +194,13 @@ impl actix::Handler<Deliver> for DedupActor {
         let work = self.work();
         let stats = Arc::clone(&self.stats);
         let span = msg.envelope.span.clone();
+        let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                let outcome = AssertUnwindSafe(work.process(msg))
-                    .catch_unwind()
-                    .await
-                    .unwrap_or_else(|_| Outcome::Abandoned(Abandoned::new("runtime", "panicked")));
+                let outcome = match bounded(timeout, work.process(msg)).await {
+                    Ok(outcome) => outcome,
+                    Err(abandoned) => Outcome::Abandoned(abandoned),
+                };
                 record(&stats, &outcome);
                 outcome
             }
@@ -205,14 +221,13 @@ impl actix::Handler<DeliverBatch> for DedupActor {
                 .entry(Arc::clone(&msg.consumer))
                 .or_insert_with(|| Arc::new(Semaphore::new(usize::from(msg.concurrent_batches)))),
         );
+        let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                let outcomes = AssertUnwindSafe(work.process_batch(msg, &lane))
-                    .catch_unwind()
-                    .await
-                    .unwrap_or_else(|_| {
-                        vec![Outcome::Abandoned(Abandoned::new("runtime", "panicked")); size]
-                    });
+                let outcomes = match bounded(timeout, work.process_batch(msg, &lane)).await {
+                    Ok(outcomes) => outcomes,
+                    Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
+                };
                 stats.add(Counter::Batches);
                 for outcome in &outcomes {
                     record(&stats, outcome);
@@ -221,6 +236,25 @@ impl actix::Handler<DeliverBatch> for DedupActor {
             }
             .instrument(tracing::info_span!("batch", size)),
         )
+    }
+}
+
+/// Runs `work` (one message's or one batch's), turning a panic into an
+/// abandonment, and one past `timeout` too: dropped, the unit of work
+/// closes its connection, and the message is held as in an outage, since a
+/// network that drops packets looks just like this. (If the database
+/// answers at once after all, the holds count as attempts: see `settle`.)
+async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<T, Abandoned> {
+    match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(_)) => Err(Abandoned::new("runtime", "panicked")),
+        Err(_) => Err(Abandoned {
+            stage: "transaction".into(),
+            reason: format!(
+                "no outcome within {timeout:?} (database.transaction_timeout): abandoned, its connection closed"
+            ),
+            unavailable: true,
+        }),
     }
 }
 

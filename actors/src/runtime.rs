@@ -10,7 +10,7 @@ use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
 use inbox::{
     DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
-    PgInboxStore, Provider, Result, Settings, amqp,
+    PgInboxStore, Provider, Result, Settings,
 };
 
 use crate::availability::DatabaseGate;
@@ -120,7 +120,8 @@ impl RuntimeBuilder {
         let stats = Arc::new(Stats::default());
         let dedup = {
             let (pool, stats) = (pool.clone(), Arc::clone(&stats));
-            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats))
+            let timeout = settings.database.transaction_timeout;
+            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout))
         };
 
         // Rows of an enabled period stay while the inbox is off: nothing
@@ -141,7 +142,6 @@ impl RuntimeBuilder {
             settings,
             pool,
             dedup,
-            publisher_connection: None,
             consumers: Vec::new(),
             retention,
             stats,
@@ -190,8 +190,6 @@ pub struct Runtime {
     settings: Settings,
     pool: Pool,
     dedup: Addr<DedupActor>,
-    /// Publishing's own broker connection (each queue consumer has another).
-    publisher_connection: Option<Arc<inbox::lapin::Connection>>,
     consumers: Vec<Addr<ConsumerActor>>,
     retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
@@ -220,15 +218,10 @@ impl Runtime {
             tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
         }
         // Publishing has a connection of its own; each queue has another.
-        let connection = amqp::connect(&self.settings, "inbox publisher").await?;
-        let bus = &self.settings.message_bus;
-        let publisher = inbox::AmqpPublisher::new(&connection, bus.exchange.clone())
-            .await?
-            .with_confirm_timeout(bus.confirm_timeout);
+        let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
         publisher.declare_exchange().await?;
         self.publisher = Publisher::Amqp(publisher);
-        self.publisher_connection = Some(connection);
-        let database = Arc::new(DatabaseGate::new(self.pool.clone()));
+        let database = Arc::new(DatabaseGate::new(self.pool.clone(), &self.settings));
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue).await?;
             let actor = ConsumerActor::new(
@@ -308,10 +301,10 @@ impl Runtime {
         if let Some(retention) = &self.retention {
             let _ = retention.send(StopSweeping).await;
         }
-        if let Some(connection) = &self.publisher_connection
-            && let Err(e) = connection.close(200, "shutdown".into()).await
+        if let Publisher::Amqp(publisher) = &self.publisher
+            && let Err(e) = publisher.close().await
         {
-            tracing::warn!(error = %e, "closing the broker connection failed");
+            tracing::warn!(error = %e, "closing the publishing connection failed");
         }
         self.pool.close();
         tracing::info!(stats = ?self.stats.snapshot(), "runtime stopped");

@@ -247,3 +247,98 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
         "key 5 was set aside once: the stale copy was not processed"
     );
 }
+
+#[actix_rt::test]
+async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing() {
+    let env = TestEnv::new("database_blackhole").await;
+    let mut settings = env.settings();
+    let proxy = through_proxy(&mut settings).await;
+    settings.database.transaction_timeout = Duration::from_secs(2);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    publish_keys(&runtime, &env.queue, 0..10).await;
+    wait_until("the first 10 complete", || async {
+        runtime.stats().completed == 10
+    })
+    .await;
+
+    // Nothing gets through, and nothing closes: without bounds, every
+    // transaction and the availability probe would wait forever.
+    proxy.blackhole();
+    publish_keys(&runtime, &env.queue, 10..30).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(runtime.stats().completed, 10, "nothing commits in a blackhole");
+
+    // The connections open during it never answer again.
+    proxy.restore_for_new_connections();
+    wait_until("every key is counted once the network is back", || async {
+        env.scalar("SELECT count(*) FROM counts").await == 30
+    })
+    .await;
+    runtime.shutdown().await;
+    let stats = runtime_stats_after(&env).await;
+    assert_eq!(stats, 30, "one inbox row each");
+    for key in 0..30 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    assert_eq!(env.ready(&env.queue).await, 0);
+    assert_eq!(env.ready(&inbox::amqp::error_queue(&env.queue)).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_broker_network_that_drops_packets_holds_messages_and_loses_nothing() {
+    let env = TestEnv::new("broker_blackhole").await;
+    let mut settings = env.settings();
+    let proxy = Proxy::start(([127, 0, 0, 1], 5672).into()).await;
+    // Heartbeats are what notices a silent broker.
+    settings.message_bus.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2", proxy.port);
+    settings.message_bus.connect_timeout = Duration::from_secs(2);
+    settings.message_bus.confirm_timeout = Duration::from_secs(2);
+    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let publish = |keys: std::ops::Range<i64>| {
+        let env = &env;
+        async move {
+            for key in keys {
+                let message = Message::new(Counted { key });
+                let properties = inbox::lapin::BasicProperties::default()
+                    .with_message_id(message.id.to_string().into())
+                    .with_type("Counted".into());
+                env.publish_raw(properties, &message.to_json().unwrap()).await;
+            }
+        }
+    };
+    publish(0..10).await;
+    wait_until("the first 10 are counted", || async {
+        env.scalar("SELECT count(*) FROM counts").await == 10
+    })
+    .await;
+
+    proxy.blackhole();
+    publish(10..30).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    proxy.restore_for_new_connections();
+    // The runtime's own publisher was cut off as well: it connects again
+    // (a publish or two may fail meanwhile, past its confirm timeout).
+    let late = Message::new(Counted { key: 30 });
+    wait_until("the runtime's publisher publishes again", || async {
+        runtime.publisher().publish(&env.queue, &late).await.is_ok()
+    })
+    .await;
+    wait_until("every key is counted once the network is back", || async {
+        env.scalar("SELECT count(*) FROM counts").await == 31
+    })
+    .await;
+    wait_until("nothing is left in the queue", || async {
+        env.ready(&env.queue).await == 0
+    })
+    .await;
+    runtime.shutdown().await;
+    for key in 0..=30 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    assert_eq!(runtime_stats_after(&env).await, 31);
+}
+
+/// Inbox rows: one per message processed.
+async fn runtime_stats_after(env: &TestEnv) -> i64 {
+    env.scalar("SELECT count(*) FROM inbox_messages").await
+}

@@ -1,16 +1,35 @@
-//! A loopback TCP proxy the tests can cut and restore: a database outage for
-//! one test, while the real server goes on serving the others.
+//! A loopback TCP proxy the tests can break: cut (connections close), or
+//! blackholed (nothing gets through, yet every socket stays open, as with a
+//! network that drops packets), for one test while the real server goes on
+//! serving the others.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::AbortHandle;
+
+/// What the proxy does with traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Network {
+    /// Forwards it.
+    Up,
+    /// Closes every connection and refuses new ones.
+    Cut,
+    /// Holds it: reads nothing more, forwards nothing, closes nothing.
+    Blackhole,
+}
 
 pub struct Proxy {
     pub port: u16,
-    open: Arc<AtomicBool>,
+    /// What new connections, and the ones open since the last
+    /// [`restore_for_new_connections`](Self::restore_for_new_connections), see.
+    network: Arc<Mutex<watch::Sender<Network>>>,
+    /// Kept so that the connections left in a blackhole stay there.
+    stranded: Mutex<Vec<watch::Sender<Network>>>,
     links: Arc<Mutex<Vec<AbortHandle>>>,
     accepting: AbortHandle,
 }
@@ -20,17 +39,29 @@ impl Proxy {
     pub async fn start(target: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let open = Arc::new(AtomicBool::new(true));
+        let network = Arc::new(Mutex::new(watch::channel(Network::Up).0));
         let links: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
-        let (accept_open, accept_links) = (Arc::clone(&open), Arc::clone(&links));
+        let (accept_network, accept_links) = (Arc::clone(&network), Arc::clone(&links));
         let accepting = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if !accept_open.load(Ordering::SeqCst) {
+            while let Ok((client, _)) = listener.accept().await {
+                let network = accept_network.lock().unwrap().subscribe();
+                if *network.borrow() == Network::Cut {
                     continue; // dropped: the client sees the connection close
                 }
                 let link = tokio::spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    let mut network = network;
+                    // A connection opened in a blackhole is accepted, and
+                    // then nothing more happens.
+                    if !passing(&mut network).await {
+                        return;
+                    }
+                    if let Ok(server) = TcpStream::connect(target).await {
+                        let (client_read, client_write) = client.into_split();
+                        let (server_read, server_write) = server.into_split();
+                        tokio::join!(
+                            pump(client_read, server_write, network.clone()),
+                            pump(server_read, client_write, network),
+                        );
                     }
                 });
                 accept_links.lock().unwrap().push(link.abort_handle());
@@ -39,23 +70,71 @@ impl Proxy {
         .abort_handle();
         Self {
             port,
-            open,
+            network,
+            stranded: Mutex::default(),
             links,
             accepting,
         }
     }
 
+    fn set(&self, network: Network) {
+        self.network.lock().unwrap().send_replace(network);
+    }
+
     /// Breaks every connection through it and refuses new ones.
     pub fn cut(&self) {
-        self.open.store(false, Ordering::SeqCst);
+        self.set(Network::Cut);
         for link in self.links.lock().unwrap().drain(..) {
             link.abort();
         }
     }
 
-    /// Lets connections through again.
+    /// Stops all traffic without closing anything: packets vanish.
+    pub fn blackhole(&self) {
+        self.set(Network::Blackhole);
+    }
+
+    /// Lets traffic through again; what a blackhole held goes on.
     pub fn restore(&self) {
-        self.open.store(true, Ordering::SeqCst);
+        self.set(Network::Up);
+    }
+
+    /// Lets new connections through, while the ones open now stay in a
+    /// blackhole for good: a firewall that lost their state. Only a bound
+    /// on every wait gets past this.
+    pub fn restore_for_new_connections(&self) {
+        let mut network = self.network.lock().unwrap();
+        network.send_replace(Network::Blackhole);
+        let old = std::mem::replace(&mut *network, watch::channel(Network::Up).0);
+        self.stranded.lock().unwrap().push(old);
+    }
+}
+
+/// Waits until traffic may pass; `false` once the proxy is gone.
+async fn passing(network: &mut watch::Receiver<Network>) -> bool {
+    network.wait_for(|n| *n == Network::Up).await.is_ok()
+}
+
+/// Copies one direction, holding whatever it read (an end of stream too)
+/// while the network is a blackhole.
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut network: watch::Receiver<Network>) {
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        if !passing(&mut network).await {
+            return;
+        }
+        let read = from.read(&mut buffer).await;
+        if !passing(&mut network).await {
+            return;
+        }
+        match read {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if to.write_all(&buffer[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
     }
 }
 
