@@ -2,12 +2,18 @@
 //! counts check-ins per attendee and attendance per session, exactly once.
 //!
 //! ```text
-//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N]
+//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
 //! ```
 //!
 //! With `--batch-size N` above 1 the queue runs batches of up to N
 //! deliveries (`queues[].batch_size`), which the handlers write with one
 //! set-based statement each.
+//!
+//! `--abort-on-attendee ID` is a crash-loop demonstration: the process
+//! aborts (`std::process::abort`) whenever it handles a check-in of
+//! attendee ID, before anything commits. The broker hands that message out
+//! again after every restart, until its queue's `delivery_limit` moves it
+//! to the error queue. Never use it for anything else.
 //!
 //! Two handlers write in the message's one transaction, so a redelivery
 //! counted twice would show. An event with a negative `attendee_id` fails
@@ -20,7 +26,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{CountAttendance, CountCheckins};
+use common::{AttendeeCheckedIn, CountAttendance, CountCheckins};
+use inbox::{EventHandler, HandlerError, UnitOfWork};
 use inbox_actors::Runtime;
 use tracing_subscriber::EnvFilter;
 
@@ -48,7 +55,16 @@ async fn run() -> inbox::Result<()> {
         settings.validate()?;
     }
     common::create_tables(&settings).await?;
-    let runtime = Runtime::builder(settings)
+    let mut builder = Runtime::builder(settings);
+    if common::arg("--abort-on-attendee").is_some() {
+        let attendee_id = common::parsed_arg("--abort-on-attendee", 0i64);
+        tracing::warn!(
+            attendee_id,
+            "--abort-on-attendee: this process aborts on that attendee's check-ins"
+        );
+        builder = builder.handler(AbortOn { attendee_id });
+    }
+    let runtime = builder
         .handler(CountCheckins)
         .handler(CountAttendance)
         .start()
@@ -73,4 +89,23 @@ async fn run() -> inbox::Result<()> {
         }
     });
     runtime.run_until_signal().await
+}
+
+/// Kills the process on one attendee's check-ins: a poison message that
+/// crashes its consumer on every delivery (`--abort-on-attendee`).
+struct AbortOn {
+    attendee_id: i64,
+}
+
+impl EventHandler<AttendeeCheckedIn> for AbortOn {
+    async fn handle(&self, event: &AttendeeCheckedIn, _uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.attendee_id == self.attendee_id {
+            eprintln!(
+                "checkin_service: aborting on attendee {} (--abort-on-attendee)",
+                self.attendee_id
+            );
+            std::process::abort();
+        }
+        Ok(())
+    }
 }

@@ -10,7 +10,13 @@
 //! plus malformed deliveries and events with a negative attendee id (which
 //! the service refuses), and while they are consumed: SIGKILLs the service
 //! at random moments (restarting it each time), force-closes its AMQP
-//! connection, restarts PostgreSQL and restarts the RabbitMQ application.
+//! connection, restarts PostgreSQL, restarts the RabbitMQ application and
+//! raises a memory alarm for a few seconds (the broker blocks publishing;
+//! the service must log it).
+//! Once all that is consumed, it publishes one poison message, a check-in
+//! the service aborts on (`--abort-on-attendee`), and restarts the service
+//! after every crash until the broker's delivery limit moves the message
+//! to the error queue.
 //! Then it stops the service with SIGTERM (which must exit 0) and checks the
 //! database and the queues. It prints one line and fails unless `lost=0`,
 //! `duplicated=0` and every other check holds. With `--batch-size N` the
@@ -42,6 +48,11 @@ const KILLS: usize = 5;
 const DELAYS: &str = "1s,2s";
 /// The whole run's bound; past it the suite fails.
 const DEADLINE: Duration = Duration::from_secs(240);
+/// The attendee the service aborts on: the poison message's.
+const POISON: i64 = 1_000_000;
+/// The queue's delivery limit (the default): the poison message is handed
+/// out this many times and once more, then dead-lettered.
+const DELIVERY_LIMIT: usize = 20;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
@@ -83,6 +94,11 @@ struct Suite {
     kills: usize,
     db_restarts: usize,
     broker_restarts: usize,
+    alarms: usize,
+    /// Times the service aborted on the poison message.
+    crashes: usize,
+    /// Where this run's part of the service log starts.
+    log_start: u64,
 }
 
 async fn run() -> Result<bool> {
@@ -124,6 +140,9 @@ async fn run() -> Result<bool> {
         kills: 0,
         db_restarts: 0,
         broker_restarts: 0,
+        alarms: 0,
+        crashes: 0,
+        log_start: std::fs::metadata(service_log_path()).map_or(0, |m| m.len()),
     };
     let mut child = suite.start_service()?;
     wait_for_queue(&suite.settings, &suite.queue).await?;
@@ -148,6 +167,7 @@ async fn run() -> Result<bool> {
             0 => suite.close_service_connections()?,
             1 => suite.restart_postgres()?,
             2 => suite.restart_rabbitmq()?,
+            3 => suite.raise_memory_alarm().await?,
             _ => {}
         }
     }
@@ -160,15 +180,16 @@ async fn run() -> Result<bool> {
         published.good.len()
     ));
 
-    // Let it finish, then stop it as an operator would.
+    // Let it finish; then a crash loop; then stop it as an operator would.
     wait_until_settled(&suite, &published, started, &mut child).await?;
+    let poison = suite.crash_loop(&mut child, &published).await?;
     suite.say("settled; stopping the service with SIGTERM");
     let status = stop_service(child)?;
     let ok_exit = status == Some(0);
     if !ok_exit {
         eprintln!("fault_suite: SIGTERM exit status {status:?}, expected 0");
     }
-    check(&suite, &published, ok_exit).await
+    check(&suite, &published, poison, ok_exit).await
 }
 
 impl Suite {
@@ -187,6 +208,8 @@ impl Suite {
                 &self.queue,
                 "--batch-size",
                 &self.batch_size.to_string(),
+                "--abort-on-attendee",
+                &POISON.to_string(),
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
@@ -206,8 +229,36 @@ impl Suite {
         std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(std::env::temp_dir().join("inbox-fault-suite-service.log"))
+            .open(service_log_path())
             .map_err(|e| fail(format!("service log: {e}")))
+    }
+
+    /// What the service logged during this run.
+    fn service_logged(&self) -> String {
+        let text = std::fs::read(service_log_path()).unwrap_or_default();
+        let start = usize::try_from(self.log_start).unwrap_or(0).min(text.len());
+        String::from_utf8_lossy(&text[start..]).into_owned()
+    }
+
+    /// A memory alarm for a few seconds: the broker blocks every
+    /// publishing connection, then lifts it. The watermark goes back to
+    /// what it was.
+    async fn raise_memory_alarm(&mut self) -> Result<()> {
+        let before = sh("rabbitmqctl eval 'vm_memory_monitor:get_vm_memory_high_watermark().'")?;
+        let restore = match before.trim() {
+            relative if relative.parse::<f64>().is_ok() => relative.to_owned(),
+            other => match other.strip_prefix("{absolute,").and_then(|n| n.strip_suffix('}')) {
+                Some(bytes) => format!("absolute {bytes}"),
+                None => return Err(fail(format!("unexpected memory watermark `{other}`"))),
+            },
+        };
+        sh("rabbitmqctl -q set_vm_memory_high_watermark 0.000001")?;
+        self.say("raised a memory alarm");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {restore}"))?;
+        self.alarms += 1;
+        self.say("cleared the memory alarm");
+        Ok(())
     }
 
     /// SIGKILL (what `Child::kill` sends on Unix), then a fresh process.
@@ -217,6 +268,51 @@ impl Suite {
         self.kills += 1;
         self.say(&format!("SIGKILL {}", self.kills));
         self.start_service()
+    }
+
+    /// Publishes the poison message and restarts the service each time it
+    /// aborts on it, until the message is in the error queue. Returns its id.
+    async fn crash_loop(&mut self, child: &mut Child, published: &Published) -> Result<inbox::uuid::Uuid> {
+        let poison = Message::new(AttendeeCheckedIn {
+            attendee_id: POISON,
+            session_id: 1,
+        });
+        let connection = connect(&self.settings).await?;
+        AmqpPublisher::new(&connection, "")
+            .await?
+            .publish(&self.queue, &poison)
+            .await?;
+        let _ = connection.close(200, "done".into()).await;
+        self.say("published a message the service aborts on");
+        let set_aside = (published.failing.len() + published.malformed.len()) as u32 + 1;
+        let error_queue = amqp::error_queue(&self.queue);
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                self.crashes += 1;
+                *child = self.start_service()?;
+            }
+            // Done once it is set aside and the service restarted after the
+            // last crash consumes again (a SIGTERM before its start is done
+            // would find no handler for it).
+            if ready(&self.settings, &error_queue).await? >= set_aside
+                && probe(&self.settings, &self.queue).await?.consumer_count() > 0
+            {
+                self.say(&format!(
+                    "the poison message is set aside after {} crashes",
+                    self.crashes
+                ));
+                // Its consumer is up just before it listens for SIGTERM.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return Ok(poison.id);
+            }
+            if self.started.elapsed() > DEADLINE {
+                return Err(fail(format!(
+                    "the poison message was not set aside after {} crashes",
+                    self.crashes
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     fn close_service_connections(&self) -> Result<()> {
@@ -261,6 +357,10 @@ fn sh(command: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
+fn service_log_path() -> std::path::PathBuf {
+    std::env::temp_dir().join("inbox-fault-suite-service.log")
+}
+
 /// SIGTERM, and the exit code once it has drained.
 fn stop_service(child: Child) -> Result<Option<i32>> {
     sh(&format!("kill -TERM {}", child.id()))?;
@@ -290,18 +390,22 @@ async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
 
 /// Messages ready in `queue`.
 async fn ready(settings: &Settings, queue: &str) -> Result<u32> {
+    Ok(probe(settings, queue).await?.message_count())
+}
+
+/// `queue` as the broker sees it (a passive declare).
+async fn probe(settings: &Settings, queue: &str) -> Result<inbox::lapin::Queue> {
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
     };
-    let count = channel
+    let found = channel
         .queue_declare(queue.into(), passive, FieldTable::default())
-        .await?
-        .message_count();
+        .await?;
     let _ = connection.close(200, "done".into()).await;
-    Ok(count)
+    Ok(found)
 }
 
 /// Publishes the workload, riding through broker restarts: a publish that
@@ -451,7 +555,12 @@ async fn wait_until_settled(
     }
 }
 
-async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bool> {
+async fn check(
+    suite: &Suite,
+    published: &Published,
+    poison: inbox::uuid::Uuid,
+    ok_exit: bool,
+) -> Result<bool> {
     let pool = inbox::create_pool(&suite.settings)?;
     let db = pool.get().await?;
     let inbox_ids: HashSet<inbox::uuid::Uuid> = db
@@ -506,6 +615,7 @@ async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bo
     let channel = connection.create_channel().await?;
     let error_queue = amqp::error_queue(&suite.queue);
     let (mut in_error, mut error_ids, mut markers) = (0u32, HashSet::new(), HashSet::new());
+    let mut poison_death = None;
     while let Some(message) = channel
         .basic_get(error_queue.as_str().into(), BasicGetOptions { no_ack: true })
         .await?
@@ -515,6 +625,9 @@ async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bo
         if let Some(id) = delivery.properties.message_id()
             && let Ok(id) = inbox::uuid::Uuid::try_parse(id.as_str())
         {
+            if id == poison {
+                poison_death = death_reason(&delivery.properties);
+            }
             error_ids.insert(id);
         }
         let body = String::from_utf8_lossy(&delivery.data);
@@ -530,12 +643,13 @@ async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bo
     }
 
     println!(
-        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error}",
+        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error} crashes={}",
         suite.kills,
         suite.db_restarts,
         suite.broker_restarts,
         published.count,
         published.good.len(),
+        suite.crashes,
     );
     let checks = [
         (lost == 0, "no effect lost"),
@@ -553,8 +667,18 @@ async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bo
         (waiting == 0, "the main and retry queues are empty"),
         (ok_exit, "SIGTERM drained and exited 0"),
         (
-            suite.kills >= KILLS && suite.db_restarts == 1 && suite.broker_restarts == 1,
+            poison_death.as_deref() == Some("delivery_limit") && suite.crashes > DELIVERY_LIMIT,
+            "the crash-looping message is in the error queue, set aside by the delivery limit",
+        ),
+        (
+            suite.kills >= KILLS && suite.db_restarts == 1 && suite.broker_restarts == 1 && suite.alarms == 1,
             "every fault happened",
+        ),
+        (
+            suite
+                .service_logged()
+                .contains("the broker blocked the connection"),
+            "the service logged the broker's alarm",
         ),
     ];
     let mut failed = 0;
@@ -581,4 +705,19 @@ async fn check(suite: &Suite, published: &Published, ok_exit: bool) -> Result<bo
     drop(db);
     pool.close();
     Ok(failed == 0)
+}
+
+/// The reason of the newest `x-death` entry the broker stamped.
+fn death_reason(properties: &BasicProperties) -> Option<String> {
+    use inbox::lapin::types::AMQPValue;
+    let AMQPValue::FieldArray(deaths) = properties.headers().as_ref()?.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
+        return None;
+    };
+    match newest.inner().get("reason")? {
+        AMQPValue::LongString(reason) => Some(String::from_utf8_lossy(reason.as_bytes()).into_owned()),
+        _ => None,
+    }
 }
