@@ -11,16 +11,22 @@
 //! - [`IntegrationEvent`] and [`Message`]: an event type and one identified
 //!   instance of it (a UUID v7 `message_id`).
 //! - [`Envelope`]: a delivery decoded per the wire contract.
-//! - [`UnitOfWork`]: one message's transaction; never pooled unfinished.
-//! - [`EventHandler`]: user code that writes through the unit of work.
+//! - [`UnitOfWork`]: one message's transaction; never pooled unfinished;
+//!   [`Nested`] scopes for handlers.
+//! - [`EventHandler`]: user code that writes through the unit of work;
+//!   [`Permanent`] for a failure no retry can fix.
 //! - [`InboxStore`]: [`PgInboxStore`] claims inside the unit of work;
 //!   [`NoopInboxStore`] never deduplicates.
+//! - [`create_pool`] and [`wait_for_database`]: the inbox's pool, and the
+//!   start's bounded wait for the database.
 //! - [`run_migrations`]: creates `inbox_messages`, inbox on or off.
 //! - [`sweep`]: deletes inbox rows past `retention.days`, in batches, one
 //!   instance per database at a time.
-//! - [`amqp`]: connecting, declaring a queue's topology, [`AmqpPublisher`],
-//!   replaying `Q.error`.
-//! - [`fault`]: the failure history and fault reasons in a message's headers.
+//! - [`amqp`]: connecting (bounded, logged), declaring a queue's topology
+//!   (with its delivery limit), [`AmqpPublisher`], replaying `Q.error` or
+//!   `Q.skipped`.
+//! - [`fault`]: the failure history and fault reasons in a message's
+//!   headers, read as untrusted input and written bounded.
 //! - [`Error`]: the one error type; [`describe`] and [`is_unavailable`] read
 //!   any error's source chain (for logs, and to tell an outage from a
 //!   failure).

@@ -13,6 +13,11 @@
 //! [`Outcome`] per message. If the handlers fail on the batch, it rolls back
 //! to that savepoint and runs each message's handlers again on their own,
 //! each after a savepoint of its own: a failure rolls back that message only.
+//!
+//! A unit of work that takes longer than `database.transaction_timeout` is
+//! dropped (its connection closed) and its messages are reported as held
+//! by an outage; a failed handler whose rollback finds the connection gone
+//! is reported the same way. A handler's error alone never is.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
