@@ -29,7 +29,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -218,12 +218,13 @@ impl Suite {
             .env("INBOX__RUNTIME__SHUTDOWN_TIMEOUT", "10s")
             .env("RUST_LOG", "warn")
             .stdout(self.service_log()?)
-            .stderr(Stdio::inherit())
+            // Its own crash messages too: twenty-one of them per run.
+            .stderr(self.service_log()?)
             .spawn()
             .map_err(|e| fail(format!("cannot start {}: {e}", self.service.display())))
     }
 
-    /// The service's log (it logs to stdout), appended to across restarts;
+    /// The service's log (stdout and stderr), appended to across restarts;
     /// read it when a check fails.
     fn service_log(&self) -> Result<std::fs::File> {
         std::fs::OpenOptions::new()
