@@ -55,15 +55,21 @@ pub const MAX_VALUE_BYTES: usize = 256;
 /// What marks a value the runtime cut short.
 const CUT: &str = "… [truncated]";
 
-/// What a message's headers say of its past failures.
+/// A message's failures: what its headers say of the past, and what
+/// happened to it in this delivery.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FailureHistory {
-    /// Failed attempts so far.
+    /// Failed attempts so far, over all deliveries.
     pub attempts: u32,
-    /// Delayed redeliveries so far.
+    /// Delayed redeliveries (retry tiers) so far.
     pub redeliveries: u32,
     /// When it first failed, if it has.
     pub first_failure: Option<String>,
+    /// Immediate retries in this delivery (not carried in headers).
+    pub retries: u32,
+    /// Holds in a row in this delivery while the database answered at
+    /// once (not carried in headers).
+    pub holds_in_vain: u32,
 }
 
 impl FailureHistory {
@@ -82,7 +88,19 @@ impl FailureHistory {
                 .get(headers::FIRST_FAILURE)
                 .and_then(as_text)
                 .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned()),
+            retries: 0,
+            holds_in_vain: 0,
         }
+    }
+
+    /// Counts a hold for an outage that ended: one in vain when no outage
+    /// was seen while holding (the database answered at once).
+    pub fn record_hold(&mut self, outage_seen: bool) {
+        self.holds_in_vain = if outage_seen {
+            0
+        } else {
+            self.holds_in_vain.saturating_add(1)
+        };
     }
 
     /// Counts one more failed attempt, now.
@@ -209,6 +227,7 @@ mod tests {
             attempts: 8,
             redeliveries: 2,
             first_failure: Some("2026-01-01T00:00:00.000Z".into()),
+            ..FailureHistory::default()
         };
         let fault = Fault {
             reason: "boom",

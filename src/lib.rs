@@ -25,6 +25,8 @@
 //! - [`amqp`]: connecting (bounded, logged), declaring a queue's topology
 //!   (with its delivery limit), [`AmqpPublisher`], replaying `Q.error` or
 //!   `Q.skipped`.
+//! - [`policy`]: the failure policy, one pure function [`decide`] from an
+//!   attempt's [`Outcome`] to an [`Action`].
 //! - [`fault`]: the failure history and fault reasons in a message's
 //!   headers, read as untrusted input and written bounded.
 //! - [`Error`]: the one error type; [`describe`] and [`is_unavailable`] read
@@ -38,6 +40,7 @@ mod event;
 pub mod fault;
 mod handler;
 mod migrations;
+pub mod policy;
 mod retention;
 mod settings;
 mod store;
@@ -52,6 +55,7 @@ pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
+pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{
     DatabaseSettings, Destination, FailureSettings, MessageBusSettings, Provider, QueueKind, QueueSettings,

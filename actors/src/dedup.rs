@@ -28,7 +28,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::deadpool_postgres::Pool;
-use inbox::{Claim, DynInboxStore, Envelope, InboxKey, UnitOfWork};
+use inbox::{Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
@@ -56,65 +56,6 @@ pub struct DeliverBatch {
     /// How many of this consumer's batches may run their handlers at once
     /// (`queues[].concurrent_batches`).
     pub concurrent_batches: u16,
-}
-
-/// What became of a [`Deliver`]ed message; the consumer settles the delivery
-/// with the broker accordingly.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// The handlers ran and their writes committed with the inbox row: ack.
-    Completed,
-    /// Processed before: the handlers were skipped. Ack.
-    Duplicate,
-    /// Not processed, nothing committed; it can succeed later (a handler
-    /// failed or panicked, the database was unavailable): retry it.
-    Abandoned(Abandoned),
-    /// Can never be processed as it is (its body is not the event, or a
-    /// handler said so with a [`Permanent`](inbox::Permanent) failure): to
-    /// the error queue at once, without retries.
-    Rejected {
-        /// Where: `deserialize`, or the handler's name.
-        stage: String,
-        /// Why.
-        reason: String,
-    },
-    /// No handler is registered for its type: to the skipped queue.
-    NoHandler,
-}
-
-/// Why a message was abandoned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Abandoned {
-    /// Where it failed: a handler's name, or a runtime stage such as
-    /// `inbox claim` or `commit`.
-    pub stage: String,
-    /// The error, as text.
-    pub reason: String,
-    /// The database could not be reached: the message itself may be fine,
-    /// so the consumer waits for the database instead of spending one of
-    /// its attempts.
-    pub unavailable: bool,
-}
-
-impl Abandoned {
-    /// A failure that is not the database's absence.
-    pub(crate) fn new(stage: impl Into<String>, reason: impl ToString) -> Self {
-        Self {
-            stage: stage.into(),
-            reason: reason.to_string(),
-            unavailable: false,
-        }
-    }
-
-    /// A failure of the runtime's own database work, classified, with
-    /// PostgreSQL's own words from the error's sources.
-    fn database(stage: &str, error: &inbox::Error) -> Self {
-        Self {
-            stage: stage.to_owned(),
-            reason: inbox::describe(error),
-            unavailable: error.is_unavailable(),
-        }
-    }
 }
 
 /// The handler actor of one event type, as the dedup actor addresses it.
@@ -197,17 +138,13 @@ impl actix::Handler<Deliver> for DedupActor {
 
     fn handle(&mut self, msg: Deliver, _ctx: &mut Context<Self>) -> Self::Result {
         let work = self.work();
-        let stats = Arc::clone(&self.stats);
         let span = msg.envelope.span.clone();
         let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                let outcome = match bounded(timeout, work.process(msg)).await {
-                    Ok(outcome) => outcome,
-                    Err(abandoned) => Outcome::Abandoned(abandoned),
-                };
-                record(&stats, &outcome);
-                outcome
+                bounded(timeout, work.process(msg))
+                    .await
+                    .unwrap_or_else(Outcome::Abandoned)
             }
             .instrument(span),
         )
@@ -234,9 +171,6 @@ impl actix::Handler<DeliverBatch> for DedupActor {
                     Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
                 };
                 stats.add(Counter::Batches);
-                for outcome in &outcomes {
-                    record(&stats, outcome);
-                }
                 outcomes
             }
             .instrument(tracing::info_span!("batch", size)),
@@ -252,9 +186,9 @@ impl actix::Handler<DeliverBatch> for DedupActor {
 async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<T, Abandoned> {
     match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
         Ok(Ok(done)) => Ok(done),
-        Ok(Err(_)) => Err(Abandoned::new("runtime", "panicked")),
+        Ok(Err(_)) => Err(Abandoned::new(Stage::Runtime, "panicked")),
         Err(_) => Err(Abandoned {
-            stage: "transaction".into(),
+            stage: Stage::Transaction,
             reason: format!(
                 "no outcome within {timeout:?} (database.transaction_timeout): abandoned, its connection closed"
             ),
@@ -290,15 +224,17 @@ impl Work {
             .pool
             .get()
             .await
-            .map_err(|e| Abandoned::database("database", &e.into()))?;
+            .map_err(|e| Abandoned::database(Stage::Database, &e.into()))?;
         UnitOfWork::begin(connection)
             .await
-            .map_err(|e| Abandoned::database("begin", &e))
+            .map_err(|e| Abandoned::database(Stage::Begin, &e))
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {
         let Some(route) = self.routes.get(&envelope.event_type) else {
-            return Outcome::NoHandler;
+            return Outcome::NoHandler {
+                event_type: envelope.event_type.clone(),
+            };
         };
         let key = key(&consumer, &envelope);
         let mut uow = match self.begin().await {
@@ -313,20 +249,20 @@ impl Work {
             }
             Err(e) => {
                 let _ = roll_back(uow).await;
-                return Outcome::Abandoned(Abandoned::database("inbox claim", &e));
+                return Outcome::Abandoned(Abandoned::database(Stage::InboxClaim, &e));
             }
         }
         match route.one.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     let _ = roll_back(uow).await;
-                    return Outcome::Abandoned(Abandoned::database("inbox record", &e));
+                    return Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e));
                 }
                 // Ack only after this: a failed COMMIT leaves the message
                 // for redelivery.
                 match uow.commit().await {
                     Ok(()) => Outcome::Completed,
-                    Err(e) => Outcome::Abandoned(Abandoned::database("commit", &e)),
+                    Err(e) => Outcome::Abandoned(Abandoned::database(Stage::Commit, &e)),
                 }
             }
             Ok(Handled::Failed { uow, failure }) => {
@@ -347,7 +283,7 @@ impl Work {
             }
             // The unit of work went down with the message: its connection
             // was discarded.
-            Err(e) => Outcome::Abandoned(Abandoned::new("handler actor", e)),
+            Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerActor, e)),
         }
     }
 
@@ -366,7 +302,9 @@ impl Work {
         let mut members = Vec::new();
         for (i, envelope) in envelopes.iter().enumerate() {
             if !self.routes.contains_key(&envelope.event_type) {
-                outcomes[i] = Some(Outcome::NoHandler);
+                outcomes[i] = Some(Outcome::NoHandler {
+                    event_type: envelope.event_type.clone(),
+                });
             } else if seen.insert(envelope.message_id) {
                 members.push(i);
             } else {
@@ -386,7 +324,8 @@ impl Work {
                         // complete goes back on its failure path.
                         for &i in &members {
                             if outcomes[i] == Some(Outcome::Completed) {
-                                outcomes[i] = Some(Outcome::Abandoned(Abandoned::database("commit", &e)));
+                                outcomes[i] =
+                                    Some(Outcome::Abandoned(Abandoned::database(Stage::Commit, &e)));
                             }
                         }
                     }
@@ -404,7 +343,7 @@ impl Work {
         }
         outcomes
             .into_iter()
-            .map(|o| o.unwrap_or_else(|| Outcome::Abandoned(Abandoned::new("runtime", "no outcome"))))
+            .map(|o| o.unwrap_or_else(|| Outcome::Abandoned(Abandoned::new(Stage::Runtime, "no outcome"))))
             .collect()
     }
 
@@ -427,7 +366,7 @@ impl Work {
             Ok(claims) => claims,
             Err(e) => {
                 let _ = roll_back(uow).await;
-                return Err(Abandoned::database("inbox claim", &e));
+                return Err(Abandoned::database(Stage::InboxClaim, &e));
             }
         };
         // Held while the handlers run, released before the commit. The
@@ -436,7 +375,7 @@ impl Work {
         let _running = lane
             .acquire()
             .await
-            .map_err(|e| Abandoned::new("batch lane", e))?;
+            .map_err(|e| Abandoned::new(Stage::BatchLane, e))?;
         // Positions in `members` and `keys` of the messages to process.
         let mut claimed = Vec::with_capacity(members.len());
         for (position, claim) in claims.into_iter().enumerate() {
@@ -451,7 +390,7 @@ impl Work {
 
         let uow = uow
             .savepoint()
-            .map_err(|e| Abandoned::database("savepoint", &e))?;
+            .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
         let mut uow = match self
             .run_whole_batch(envelopes, members, keys, &claimed, uow)
             .await
@@ -467,7 +406,7 @@ impl Work {
                 failed
                     .rollback_to_savepoint()
                     .await
-                    .map_err(|e| Abandoned::database("rollback to savepoint", &e))?
+                    .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?
             }
             WholeBatch::Lost(abandoned) => return Err(abandoned),
         };
@@ -478,7 +417,7 @@ impl Work {
             let route = self.route(&envelope.event_type)?;
             let saved = uow
                 .savepoint()
-                .map_err(|e| Abandoned::database("savepoint", &e))?;
+                .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
             let failure = match route.one.send(Handle { envelope, uow: saved }).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
@@ -488,7 +427,7 @@ impl Work {
                     }
                     Err(e) => {
                         uow = done;
-                        Outcome::Abandoned(Abandoned::database("inbox record", &e))
+                        Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e))
                     }
                 },
                 Ok(Handled::Failed {
@@ -502,17 +441,20 @@ impl Work {
                 // this message has its failure, the others start over.
                 Ok(Handled::Failed { uow: None, failure }) => {
                     outcomes[i] = Some(failure.into());
-                    return Err(Abandoned::new("batch", "another message of the batch panicked"));
+                    return Err(Abandoned::new(
+                        Stage::Batch,
+                        "another message of the batch panicked",
+                    ));
                 }
-                Err(e) => return Err(Abandoned::new("handler actor", e)),
+                Err(e) => return Err(Abandoned::new(Stage::HandlerActor, e)),
             };
             // This message alone is undone; the batch goes on.
             uow = uow
                 .rollback_to_savepoint()
                 .await
-                .map_err(|e| Abandoned::database("rollback to savepoint", &e))?;
+                .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?;
             if let Err(e) = self.store.abandon(&mut uow, key).await {
-                return Err(Abandoned::database("inbox abandon", &e));
+                return Err(Abandoned::database(Stage::InboxAbandon, &e));
             }
             outcomes[i] = Some(failure);
         }
@@ -568,9 +510,9 @@ impl Work {
                 // caused it is unknown: each starts over on its own.
                 Ok(Handled::Failed { uow: None, failure }) => {
                     let reason = format!("a handler panicked on the batch: {failure:?}");
-                    return WholeBatch::Lost(Abandoned::new("batch", reason));
+                    return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
                 }
-                Err(e) => return WholeBatch::Lost(Abandoned::new("handler actor", e)),
+                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerActor, e)),
             }
         }
         for &position in claimed {
@@ -586,7 +528,7 @@ impl Work {
     fn route(&self, event_type: &str) -> Result<&Route, Abandoned> {
         self.routes
             .get(event_type)
-            .ok_or_else(|| Abandoned::new("runtime", "route vanished"))
+            .ok_or_else(|| Abandoned::new(Stage::Runtime, "route vanished"))
     }
 }
 
@@ -602,17 +544,20 @@ impl From<HandlerFailure> for Outcome {
     fn from(failure: HandlerFailure) -> Self {
         match failure {
             HandlerFailure::Malformed(reason) => Outcome::Rejected {
-                stage: "deserialize".into(),
+                stage: Stage::Deserialize,
                 reason,
             },
             HandlerFailure::Permanent { handler, reason } => Outcome::Rejected {
-                stage: handler.into(),
+                stage: Stage::Handler(handler),
                 reason,
             },
-            HandlerFailure::Failed { handler, error } => Outcome::Abandoned(Abandoned::new(handler, error)),
-            HandlerFailure::Panicked { handler, message } => {
-                Outcome::Abandoned(Abandoned::new(handler, format!("panicked: {message}")))
+            HandlerFailure::Failed { handler, error } => {
+                Outcome::Abandoned(Abandoned::new(Stage::Handler(handler), error))
             }
+            HandlerFailure::Panicked { handler, message } => Outcome::Abandoned(Abandoned::new(
+                Stage::Handler(handler),
+                format!("panicked: {message}"),
+            )),
         }
     }
 }
@@ -623,17 +568,6 @@ impl From<HandlerFailure> for Outcome {
 async fn roll_back(uow: UnitOfWork) -> Result<(), Abandoned> {
     uow.rollback().await.map_err(|e| {
         tracing::warn!(error = %e, "rollback failed; the connection was discarded");
-        Abandoned::database("rollback", &e)
+        Abandoned::database(Stage::Rollback, &e)
     })
-}
-
-fn record(stats: &Stats, outcome: &Outcome) {
-    let counter = match outcome {
-        Outcome::Completed => Counter::Completed,
-        Outcome::Duplicate => Counter::Duplicates,
-        Outcome::Abandoned(_) => Counter::Abandoned,
-        Outcome::Rejected { .. } => Counter::Rejected,
-        Outcome::NoHandler => Counter::Skipped,
-    };
-    stats.add(counter);
 }

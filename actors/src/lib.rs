@@ -33,8 +33,9 @@ mod settle;
 mod stats;
 
 pub use consumer::{ConsumerActor, Disconnect, Drain, Flush};
-pub use dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome, Route, Routes};
+pub use dedup::{DedupActor, Deliver, DeliverBatch, Route, Routes};
 pub use handler::{Handle, HandleBatch, Handled, HandlerActor, HandlerFailure, Restart};
+pub use inbox::{Abandoned, Outcome};
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, StopSweeping, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder};

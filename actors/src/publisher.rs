@@ -3,55 +3,97 @@
 use std::sync::Arc;
 
 use actix::Recipient;
-use inbox::{AmqpPublisher, Envelope, Error, IntegrationEvent, Message, Result};
+use inbox::{AmqpPublisher, Envelope, Error, IntegrationEvent, Message, Outcome, Result};
 
-use crate::dedup::{Deliver, Outcome};
+use crate::dedup::Deliver;
+use crate::stats::{Counter, Stats};
 
-/// Publishes events the way the runtime's provider says.
+/// Publishes events the way the runtime's provider says: through RabbitMQ
+/// with publisher confirms, or, in process, straight to the handlers.
+/// Cheap to clone.
 #[derive(Clone)]
-pub enum Publisher {
+pub struct Publisher {
+    way: Way,
+}
+
+#[derive(Clone)]
+enum Way {
     /// Through RabbitMQ, confirmed by the broker.
     Amqp(AmqpPublisher),
     /// Straight to the [`DedupActor`](crate::DedupActor): the handlers run
     /// before `publish` returns, through the same inbox and unit of work.
     InProcess {
-        /// Where messages go.
         dedup: Recipient<Deliver>,
-        /// The consumer id they are processed as: the first configured
+        /// The consumer id messages are processed as: the first configured
         /// queue's, else `in_process`.
         consumer: Arc<str>,
+        stats: Arc<Stats>,
     },
 }
 
 impl Publisher {
+    pub(crate) fn amqp(publisher: AmqpPublisher) -> Self {
+        Self {
+            way: Way::Amqp(publisher),
+        }
+    }
+
+    pub(crate) fn in_process(dedup: Recipient<Deliver>, consumer: Arc<str>, stats: Arc<Stats>) -> Self {
+        Self {
+            way: Way::InProcess {
+                dedup,
+                consumer,
+                stats,
+            },
+        }
+    }
+
     /// Publishes `message` with `routing_key` (ignored in process). Returns
     /// once the broker confirmed it, or in process once the handlers
-    /// committed (an error if they did not).
+    /// committed (an error if they did not; an event nobody handles here
+    /// is not an error).
     pub async fn publish<E: IntegrationEvent>(&self, routing_key: &str, message: &Message<E>) -> Result<()> {
-        match self {
-            Publisher::Amqp(publisher) => publisher.publish(routing_key, message).await,
-            Publisher::InProcess { dedup, consumer } => {
-                let envelope = Envelope::from_message(message, consumer)?;
-                let deliver = Deliver {
-                    consumer: Arc::clone(consumer),
-                    envelope: Arc::new(envelope),
-                };
-                let outcome = dedup
-                    .send(deliver)
-                    .await
-                    .map_err(|e| Error::Runtime(format!("the dedup actor is gone: {e}")))?;
-                let abandoned = |reason: String| Error::Abandoned {
-                    message_id: message.id,
-                    reason,
-                };
-                match outcome {
-                    Outcome::Completed | Outcome::Duplicate => Ok(()),
-                    // An event nobody here listens to is not an error.
-                    Outcome::NoHandler => Ok(()),
-                    Outcome::Abandoned(a) => Err(abandoned(format!("{}: {}", a.stage, a.reason))),
-                    Outcome::Rejected { stage, reason } => Err(abandoned(format!("{stage}: {reason}"))),
-                }
-            }
+        let (dedup, consumer, stats) = match &self.way {
+            Way::Amqp(publisher) => return publisher.publish(routing_key, message).await,
+            Way::InProcess {
+                dedup,
+                consumer,
+                stats,
+            } => (dedup, consumer, stats),
+        };
+        let envelope = Envelope::from_message(message, consumer)?;
+        let deliver = Deliver {
+            consumer: Arc::clone(consumer),
+            envelope: Arc::new(envelope),
+        };
+        let outcome = dedup
+            .send(deliver)
+            .await
+            .map_err(|e| Error::Runtime(format!("the dedup actor is gone: {e}")))?;
+        // The caller is the consumer here: what would be retried or moved
+        // is an error for it to handle.
+        let (counter, refused) = match outcome {
+            Outcome::Completed => (Counter::Completed, None),
+            Outcome::Duplicate => (Counter::Duplicates, None),
+            Outcome::NoHandler { .. } => (Counter::Skipped, None),
+            Outcome::Abandoned(a) => (Counter::Abandoned, Some(format!("{}: {}", a.stage, a.reason))),
+            Outcome::Rejected { stage, reason } => (Counter::Rejected, Some(format!("{stage}: {reason}"))),
+        };
+        stats.add(counter);
+        match refused {
+            None => Ok(()),
+            Some(reason) => Err(Error::Abandoned {
+                message_id: message.id,
+                reason,
+            }),
+        }
+    }
+
+    /// Closes the broker connection, if it publishes through one.
+    pub(crate) async fn close(&self) -> Result<()> {
+        match &self.way {
+            Way::Amqp(publisher) => publisher.close().await,
+            Way::InProcess { .. } => Ok(()),
         }
     }
 }

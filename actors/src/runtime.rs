@@ -131,14 +131,15 @@ impl RuntimeBuilder {
         });
 
         let mut runtime = Runtime {
-            publisher: Publisher::InProcess {
-                dedup: dedup.clone().recipient(),
-                consumer: settings
+            publisher: Publisher::in_process(
+                dedup.clone().recipient(),
+                settings
                     .queues
                     .first()
                     .map_or(IN_PROCESS_CONSUMER, |q| q.consumer_id())
                     .into(),
-            },
+                Arc::clone(&stats),
+            ),
             settings,
             pool,
             dedup,
@@ -220,7 +221,7 @@ impl Runtime {
         // Publishing has a connection of its own; each queue has another.
         let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
         publisher.declare_exchange().await?;
-        self.publisher = Publisher::Amqp(publisher);
+        self.publisher = Publisher::amqp(publisher);
         let database = Arc::new(DatabaseGate::new(self.pool.clone(), &self.settings));
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue).await?;
@@ -301,9 +302,7 @@ impl Runtime {
         if let Some(retention) = &self.retention {
             let _ = retention.send(StopSweeping).await;
         }
-        if let Publisher::Amqp(publisher) = &self.publisher
-            && let Err(e) = publisher.close().await
-        {
+        if let Err(e) = self.publisher.close().await {
             tracing::warn!(error = %e, "closing the publishing connection failed");
         }
         self.pool.close();

@@ -1,13 +1,14 @@
-//! Settling one delivery: the failure policy.
+//! Settling one delivery: carrying out the failure policy.
 //!
 //! A [`Settler`] runs a decoded delivery through the inbox (via the
-//! [`DedupActor`]) and settles it with the broker from the outcome: ack;
-//! hold while the database is unreachable; immediate retries, then the next
-//! retry tier or `Q.error`; `Q.error` at once for malformed input;
-//! `Q.skipped` for a type without handlers. Every move publishes the copy
-//! with its fault headers and waits for the broker's confirm before acking
-//! the original. The [`ConsumerActor`](crate::ConsumerActor) owns one per
-//! queue and spawns its work, one delivery (or batch) at a time.
+//! [`DedupActor`]), asks [`inbox::decide`] what the outcome means, and
+//! carries the [`Action`] out with the broker: ack; hold while the
+//! database is unreachable; retry in process; move to a retry tier,
+//! `Q.error` or `Q.skipped`. Every move publishes the copy with its fault
+//! headers and waits for the broker's confirm before acking the original.
+//! What it did is counted once, when done. The
+//! [`ConsumerActor`](crate::ConsumerActor) owns one per queue and spawns
+//! its work, one delivery (or batch) at a time.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,24 +19,21 @@ use inbox::amqp::{error_queue, retry_queue, skipped_queue};
 use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
 use inbox::lapin::options::BasicNackOptions;
-use inbox::{AmqpPublisher, DeliveryLabel, Destination, Envelope, FailureSettings};
+use inbox::policy::Failure;
+use inbox::{
+    Abandoned, Action, AmqpPublisher, DeliveryLabel, Envelope, FailureSettings, Outcome, Stage, Target,
+};
 use tracing::Instrument;
 
 use crate::acks::{AckWindow, Ticket};
 use crate::availability::DatabaseGate;
-use crate::dedup::{Abandoned, DedupActor, Deliver, DeliverBatch, Outcome};
+use crate::dedup::{DedupActor, Deliver, DeliverBatch};
 use crate::stats::{Counter, Stats};
 
 /// How long to wait before handing a message back to the broker when it
 /// could not be moved to a retry tier or the error queue (the broker is
 /// struggling; an instant requeue would spin).
 const MOVE_FAILED_PAUSE: Duration = Duration::from_secs(1);
-
-/// How many times in a row a message may be held for a lost connection
-/// while the database answers at once, before the failure counts as an
-/// attempt: a message whose handler kills its own connection would
-/// otherwise loop hot, holding and retrying forever.
-const MAX_HOLDS_IN_VAIN: u32 = 3;
 
 /// What settling a delivery needs; shared by the queue's messages in flight.
 #[derive(Clone)]
@@ -66,8 +64,7 @@ pub(crate) struct Pending {
 pub(crate) struct Malformed {
     delivery: Delivery,
     ticket: Ticket,
-    reason: String,
-    stage: &'static str,
+    rejected: Outcome,
     history: FailureHistory,
 }
 
@@ -95,8 +92,10 @@ impl Settler {
             return Err(Box::new(Malformed {
                 delivery,
                 ticket,
-                reason,
-                stage: "consumer",
+                rejected: Outcome::Rejected {
+                    stage: Stage::Size,
+                    reason,
+                },
                 history,
             }));
         }
@@ -116,8 +115,10 @@ impl Settler {
             Err(e) => Err(Box::new(Malformed {
                 delivery,
                 ticket,
-                reason: e.to_string(),
-                stage: "decode",
+                rejected: Outcome::Rejected {
+                    stage: Stage::Decode,
+                    reason: e.to_string(),
+                },
                 history,
             })),
         }
@@ -147,7 +148,7 @@ impl Settler {
             concurrent_batches: self.concurrent_batches,
         };
         let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-            let abandoned = Abandoned::new("dedup actor", e);
+            let abandoned = Abandoned::new(Stage::DedupActor, e);
             vec![Outcome::Abandoned(abandoned); batch.len()]
         });
         // The ones to ack go together, often as one `multiple` ack; the
@@ -161,8 +162,7 @@ impl Settler {
         for ((pending, outcome), result) in done.iter().zip(results) {
             let _span = pending.envelope.span.enter();
             tracing::debug!(?outcome, "acked");
-            check_settled(result, "ack", &self.stats);
-            self.stats.record_latency(pending.arrived.elapsed());
+            self.acked(result, *outcome == Outcome::Duplicate, pending.arrived);
         }
         let settled = others
             .into_iter()
@@ -175,32 +175,24 @@ impl Settler {
         let Malformed {
             delivery,
             ticket,
-            reason,
-            stage,
+            rejected,
             history,
         } = *malformed;
         tracing::warn!(
             queue = %self.queue,
             delivery_tag = delivery.delivery_tag,
             delivery = %DeliveryLabel(&delivery.properties),
-            %reason,
+            ?rejected,
             "malformed delivery; moving it to the error queue"
         );
-        self.stats.add(Counter::Rejected);
-        let fault = self.fault(&reason, stage, history);
-        self.move_to(
-            &error_queue(&self.queue),
-            &delivery,
-            ticket,
-            &delivery.data,
-            &fault,
-        )
-        .await;
+        if let Action::Move { to, failure } = inbox::decide(rejected, &history, &self.failure) {
+            self.move_to(to, failure, &delivery, ticket, &delivery.data).await;
+        }
     }
 
     /// Settles one message: from `first`, the outcome of an attempt already
-    /// made (in a batch), or from attempts of its own; failures go through
-    /// the immediate retries, then a retry tier or `Q.error`.
+    /// made (in a batch), or from attempts of its own, each outcome decided
+    /// by [`inbox::decide`] and carried out here.
     async fn process(&self, pending: Pending, mut first: Option<Outcome>) {
         let Pending {
             delivery,
@@ -211,9 +203,7 @@ impl Settler {
         } = pending;
         let span = envelope.span.clone();
         async move {
-            let mut retry = 0;
-            let mut holds_in_vain = 0;
-            let abandoned: Abandoned = loop {
+            loop {
                 tracing::Span::current().record("attempt", history.next_attempt());
                 let outcome = match first.take() {
                     Some(outcome) => outcome,
@@ -225,115 +215,96 @@ impl Settler {
                         self.dedup
                             .send(deliver)
                             .await
-                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new("dedup actor", e)))
+                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new(Stage::DedupActor, e)))
                     }
                 };
-                match outcome {
-                    Outcome::Completed | Outcome::Duplicate => {
-                        tracing::debug!(?outcome, "acking");
-                        self.ack(&delivery, ticket).await;
-                        self.stats.record_latency(arrived.elapsed());
+                match inbox::decide(outcome, &history, &self.failure) {
+                    Action::Ack { duplicate } => {
+                        tracing::debug!(duplicate, "acking");
+                        let result = self.window.ack(&delivery, ticket).await;
+                        self.acked(result, duplicate, arrived);
                         return;
                     }
-                    Outcome::Rejected { stage, reason } => {
-                        tracing::warn!(%stage, %reason, "the message can never succeed; moving it to the error queue");
-                        // Counted as rejected by the dedup actor.
-                        let fault = self.fault(&reason, &stage, history);
-                        self.move_to(&error_queue(&self.queue), &delivery, ticket, &envelope.body, &fault)
-                            .await;
-                        return;
-                    }
-                    Outcome::NoHandler => {
-                        let reason = format!("no handler registered for type `{}`", envelope.event_type);
-                        tracing::warn!("{reason}; moving it to the skipped queue");
-                        let fault = self.fault(&reason, "dispatch", history);
-                        self.move_to(&skipped_queue(&self.queue), &delivery, ticket, &envelope.body, &fault)
-                            .await;
-                        return;
-                    }
-                    Outcome::Abandoned(abandoned) if abandoned.unavailable && holds_in_vain < MAX_HOLDS_IN_VAIN => {
+                    Action::Hold { reason } => {
                         // Not the message's fault: hold it (unacked, so the
                         // prefetch stops further deliveries) until the
                         // database answers, and spend none of its attempts.
-                        tracing::debug!(reason = %abandoned.reason, "database unavailable; holding the message");
-                        if self.database.wait_until_available(&abandoned.reason).await {
-                            holds_in_vain = 0;
-                        } else {
-                            holds_in_vain += 1;
-                        }
-                        continue;
+                        tracing::debug!(%reason, "database unavailable; holding the message");
+                        self.stats.add(Counter::Held);
+                        let outage_seen = self.database.wait_until_available(&reason).await;
+                        history.record_hold(outage_seen);
                     }
-                    Outcome::Abandoned(abandoned) => {
-                        history.record_failure();
-                        if retry < self.failure.immediate_retries {
-                            let pause = self.failure.backoff(retry);
-                            tracing::warn!(
-                                stage = %abandoned.stage,
-                                reason = %abandoned.reason,
-                                attempts = history.attempts,
-                                "attempt failed; retrying in {pause:?}"
-                            );
-                            tokio::time::sleep(pause).await;
-                            retry += 1;
-                            continue;
+                    Action::Retry { after, failure } => {
+                        self.stats.add(Counter::Abandoned);
+                        tracing::warn!(
+                            stage = %failure.stage,
+                            reason = %failure.reason,
+                            attempts = failure.history.attempts,
+                            "attempt failed; retrying in {after:?}"
+                        );
+                        history = failure.history;
+                        tokio::time::sleep(after).await;
+                    }
+                    Action::Move { to, failure } => {
+                        if matches!(to, Target::RetryTier(_) | Target::Exhausted) {
+                            self.stats.add(Counter::Abandoned);
                         }
-                        break abandoned;
+                        self.move_to(to, failure, &delivery, ticket, &envelope.body).await;
+                        return;
                     }
                 }
-            };
-            let (to, counter) = match self.failure.destination(history.redeliveries) {
-                Destination::RetryTier(tier) => {
-                    history.record_redelivery();
-                    (retry_queue(&self.queue, tier), Counter::Delayed)
-                }
-                Destination::Error => (error_queue(&self.queue), Counter::DeadLettered),
-            };
-            tracing::warn!(
-                stage = %abandoned.stage,
-                reason = %abandoned.reason,
-                attempts = history.attempts,
-                "attempts failed; moving it to {to}"
-            );
-            let fault = self.fault(&abandoned.reason, &abandoned.stage, history);
-            if self.move_to(&to, &delivery, ticket, &envelope.body, &fault).await {
-                self.stats.add(counter);
             }
         }
         .instrument(span)
         .await
     }
 
-    fn fault<'a>(&'a self, reason: &'a str, handler: &'a str, history: FailureHistory) -> Fault<'a> {
-        Fault {
-            reason,
-            handler,
-            history,
-            source_queue: &self.queue,
-        }
+    /// Counts an ack, and the latency of the delivery it settled.
+    fn acked(&self, result: inbox::lapin::Result<bool>, duplicate: bool, arrived: Instant) {
+        check_settled(result, "ack", &self.stats);
+        self.stats.add(if duplicate {
+            Counter::Duplicates
+        } else {
+            Counter::Completed
+        });
+        self.stats.record_latency(arrived.elapsed());
     }
 
-    /// Publishes a copy of the delivery with the fault in its headers to
-    /// `to`, then acks the original, in that order. If the copy is not
-    /// confirmed, the original goes back to the broker instead. Returns
-    /// whether the message moved.
-    async fn move_to(
-        &self,
-        to: &str,
-        delivery: &Delivery,
-        ticket: Ticket,
-        body: &[u8],
-        fault: &Fault<'_>,
-    ) -> bool {
+    /// Publishes a copy of the delivery, with the failure in its headers,
+    /// to the queue `to` names, then acks the original, in that order, and
+    /// counts the move. If the copy is not confirmed, the original goes
+    /// back to the broker instead.
+    async fn move_to(&self, to: Target, failure: Failure, delivery: &Delivery, ticket: Ticket, body: &[u8]) {
+        let (queue, counter) = match to {
+            Target::RetryTier(tier) => (retry_queue(&self.queue, tier), Counter::Delayed),
+            Target::Exhausted => (error_queue(&self.queue), Counter::DeadLettered),
+            Target::Rejected => (error_queue(&self.queue), Counter::Rejected),
+            Target::Skipped => (skipped_queue(&self.queue), Counter::Skipped),
+        };
+        tracing::warn!(
+            stage = %failure.stage,
+            reason = %failure.reason,
+            attempts = failure.history.attempts,
+            "moving the message to {queue}"
+        );
+        let stage = failure.stage.to_string();
+        let fault = Fault {
+            reason: &failure.reason,
+            handler: &stage,
+            history: failure.history,
+            source_queue: &self.queue,
+        };
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         fault.stamp(&mut headers);
         let properties = delivery.properties.clone().with_headers(headers);
-        match self.forwarder.publish_raw(to, properties, body).await {
+        match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
-                true
+                self.stats.add(counter);
             }
             Err(e) => {
-                tracing::error!(error = %e, "could not move the message to {to}; handing it back to the broker");
+                tracing::error!(error = %e, "could not move the message to {queue}; handing it back to the broker");
+                self.stats.add(Counter::MovesHandedBack);
                 tokio::time::sleep(MOVE_FAILED_PAUSE).await;
                 let options = BasicNackOptions {
                     requeue: true,
@@ -341,7 +312,6 @@ impl Settler {
                 };
                 let result = self.window.nack(delivery, ticket, options).await;
                 check_settled(result, "nack", &self.stats);
-                false
             }
         }
     }

@@ -19,6 +19,8 @@ pub struct Stats {
     delayed: AtomicU64,
     dead_lettered: AtomicU64,
     unconfirmed_acks: AtomicU64,
+    held: AtomicU64,
+    moves_handed_back: AtomicU64,
     batches: AtomicU64,
     batches_split: AtomicU64,
     sweeps: AtomicU64,
@@ -51,6 +53,12 @@ pub struct StatsSnapshot {
     /// Acks or nacks the broker could not take because the channel had been
     /// recovered; those messages come back and the inbox skips them.
     pub unconfirmed_acks: u64,
+    /// Times a message was held while the database was unavailable (each
+    /// costs none of its attempts).
+    pub held: u64,
+    /// Moves (to a retry tier, `Q.error` or `Q.skipped`) whose copy the
+    /// broker did not confirm: the message went back to its queue instead.
+    pub moves_handed_back: u64,
     /// Batches processed (consumers with `batch_size` above 1).
     pub batches: u64,
     /// Batches whose handlers failed on the batch as a whole, which then ran
@@ -77,6 +85,8 @@ pub(crate) enum Counter {
     Delayed,
     DeadLettered,
     UnconfirmedAcks,
+    Held,
+    MovesHandedBack,
     Batches,
     BatchesSplit,
 }
@@ -92,6 +102,8 @@ impl Default for Stats {
             delayed: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             unconfirmed_acks: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+            moves_handed_back: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             batches_split: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
@@ -140,6 +152,8 @@ impl Stats {
             Counter::Delayed => &self.delayed,
             Counter::DeadLettered => &self.dead_lettered,
             Counter::UnconfirmedAcks => &self.unconfirmed_acks,
+            Counter::Held => &self.held,
+            Counter::MovesHandedBack => &self.moves_handed_back,
             Counter::Batches => &self.batches,
             Counter::BatchesSplit => &self.batches_split,
         };
@@ -170,6 +184,8 @@ impl Stats {
             delayed: read(&self.delayed),
             dead_lettered: read(&self.dead_lettered),
             unconfirmed_acks: read(&self.unconfirmed_acks),
+            held: read(&self.held),
+            moves_handed_back: read(&self.moves_handed_back),
             batches: read(&self.batches),
             batches_split: read(&self.batches_split),
             sweeps: read(&self.sweeps),

@@ -144,7 +144,7 @@ async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     env.publish_raw(properties(None, Some("Counted")), b"{}").await;
 
     wait_until("the move has been tried", || async {
-        runtime.stats().rejected >= 1
+        runtime.stats().moves_handed_back >= 1
     })
     .await;
     // One more second: a move that failed hands the message back after a pause.

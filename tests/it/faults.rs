@@ -210,7 +210,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     // arrive after it wait in the buffer.
     proxy.cut();
     publish_keys(&runtime, &env.queue, 0..8).await;
-    wait_until("a batch is held", || async { runtime.stats().abandoned > 0 }).await;
+    wait_until("a batch is held", || async { runtime.stats().held > 0 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Meanwhile the broker closes the consumer's channel: the consumer
     // reconnects and the broker redelivers all eight on the new channel,
