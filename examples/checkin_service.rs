@@ -54,7 +54,6 @@ async fn run() -> inbox::Result<()> {
         }
         settings.validate()?;
     }
-    common::create_tables(&settings).await?;
     let mut builder = Runtime::builder(settings);
     if common::arg("--abort-on-attendee").is_some() {
         let attendee_id = common::parsed_arg("--abort-on-attendee", 0i64);
@@ -64,11 +63,13 @@ async fn run() -> inbox::Result<()> {
         );
         builder = builder.handler(AbortOn { attendee_id });
     }
+    // Ready, not consuming yet: the service's own tables come first.
     let runtime = builder
         .handler(CountCheckins)
         .handler(CountAttendance)
-        .start()
+        .build()
         .await?;
+    common::create_tables(runtime.pool()).await?;
 
     // A progress line every few seconds.
     let stats = runtime.shared_stats();

@@ -293,8 +293,8 @@ impl Suite {
                 *child = self.start_service()?;
             }
             // Done once it is set aside and the service restarted after the
-            // last crash consumes again (a SIGTERM before its start is done
-            // would find no handler for it).
+            // last crash consumes again: it listens for SIGTERM before it
+            // consumes (one earlier would kill it before it drains).
             if ready(&self.settings, &error_queue).await? >= set_aside
                 && probe(&self.settings, &self.queue).await?.consumer_count() > 0
             {
@@ -302,8 +302,6 @@ impl Suite {
                     "the poison message is set aside after {} crashes",
                     self.crashes
                 ));
-                // Its consumer is up just before it listens for SIGTERM.
-                tokio::time::sleep(Duration::from_secs(1)).await;
                 return Ok(poison.id);
             }
             if self.started.elapsed() > DEADLINE {

@@ -168,8 +168,8 @@ async fn run() -> Result<()> {
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
     common::recreate_database(&settings, DATABASE).await?;
-    common::create_tables(&settings).await?;
     let pool = inbox::create_pool(&settings)?;
+    common::create_tables(&pool).await?;
     inbox::run_migrations(&mut *pool.get().await?).await?;
     let connection = amqp::connect(&settings, "inbox throughput").await?;
 

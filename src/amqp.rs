@@ -431,6 +431,13 @@ impl AmqpPublisher {
         Ok(link.channel.clone())
     }
 
+    /// A new channel on this publisher's connection, for declaring the
+    /// topology and the like; close it when done.
+    pub async fn open_channel(&self) -> Result<Channel> {
+        let link = self.link.lock().await;
+        Ok(link.connection.create_channel().await?)
+    }
+
     /// Closes the channel, and the connection if this publisher owns it.
     pub async fn close(&self) -> Result<()> {
         let link = self.link.lock().await;

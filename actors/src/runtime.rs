@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -64,10 +65,25 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Validates the settings, runs the migrations, starts the actors and,
-    /// for `rabbitmq`, starts consuming every configured queue. Call it
-    /// inside an actix `System` (`#[actix::main]`, `#[actix::test]`).
+    /// [`build`](Self::build)s the runtime and starts consuming at once.
+    /// Call it inside an actix `System` (`#[actix::main]`, `#[actix::test]`).
     pub async fn start(self) -> Result<Runtime> {
+        let mut runtime = self.build().await?;
+        if let Err(e) = runtime.consume().await {
+            runtime.shutdown().await;
+            return Err(e);
+        }
+        Ok(runtime)
+    }
+
+    /// Gets everything ready and consumes nothing yet: validates the
+    /// settings, waits for the database and runs the migrations, starts the
+    /// actors and, for `rabbitmq`, connects the publisher and declares the
+    /// exchange and every queue's topology. The service can then set up
+    /// its own tables through [`Runtime::pool`] before
+    /// [`run_until`](Runtime::run_until) (or [`consume`](Runtime::consume))
+    /// starts consuming. Call it inside an actix `System`.
+    pub async fn build(self) -> Result<Runtime> {
         let Self {
             settings,
             routes,
@@ -130,7 +146,7 @@ impl RuntimeBuilder {
             RetentionActor::new(pool.clone(), settings.retention.clone(), Arc::clone(&stats)).start()
         });
 
-        let mut runtime = Runtime {
+        let runtime = Runtime {
             publisher: Publisher::in_process(
                 dedup.clone().recipient(),
                 settings
@@ -147,13 +163,17 @@ impl RuntimeBuilder {
             retention,
             stats,
         };
-        if runtime.settings.message_bus.provider == Provider::Rabbitmq
-            && let Err(e) = runtime.start_consuming().await
-        {
-            runtime.shutdown().await;
-            return Err(e);
+        if runtime.settings.message_bus.provider == Provider::Rabbitmq {
+            match runtime.connect_broker().await {
+                Ok(runtime) => Ok(runtime),
+                Err((runtime, e)) => {
+                    runtime.shutdown().await;
+                    Err(e)
+                }
+            }
+        } else {
+            Ok(runtime)
         }
-        Ok(runtime)
     }
 }
 
@@ -208,20 +228,44 @@ impl Runtime {
         }
     }
 
-    async fn start_consuming(&mut self) -> Result<()> {
+    /// Connects the publisher, declares the exchange and every queue's
+    /// topology. On failure, hands the runtime back for a shutdown.
+    async fn connect_broker(mut self) -> std::result::Result<Self, (Self, Error)> {
+        let declared = async {
+            // Publishing has a connection of its own; each queue has another.
+            let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
+            publisher.declare_exchange().await?;
+            let channel = publisher.open_channel().await?;
+            for queue in &self.settings.queues {
+                inbox::amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
+            }
+            let _ = channel.close(200, "declared".into()).await;
+            Ok::<_, Error>(publisher)
+        };
+        match declared.await {
+            Ok(publisher) => {
+                self.publisher = Publisher::amqp(publisher);
+                Ok(self)
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Starts consuming every configured queue (`rabbitmq`; nothing to do
+    /// for `in_process`, or when it consumes already).
+    pub async fn consume(&mut self) -> Result<()> {
+        if self.settings.message_bus.provider != Provider::Rabbitmq || !self.consumers.is_empty() {
+            return Ok(());
+        }
         if self.settings.queues.is_empty() {
             tracing::warn!(
                 "no queue to consume: the settings list no [[queues]] (is INBOX_CONFIG_DIR, or config/ under the \
                  working directory, the folder with the service's settings?); publishing only"
             );
-        } else {
-            let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
-            tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
+            return Ok(());
         }
-        // Publishing has a connection of its own; each queue has another.
-        let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
-        publisher.declare_exchange().await?;
-        self.publisher = Publisher::amqp(publisher);
+        let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
+        tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
         let database = Arc::new(DatabaseGate::new(self.pool.clone(), &self.settings));
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue).await?;
@@ -278,12 +322,30 @@ impl Runtime {
         &self.settings
     }
 
-    /// Waits for SIGINT or SIGTERM, then [`shutdown`](Self::shutdown)s.
-    pub async fn run_until_signal(self) -> Result<()> {
-        wait_for_signal().await?;
-        tracing::info!("shutdown signal received");
+    /// Consumes (see [`consume`](Self::consume)) until `shutdown`
+    /// resolves, then [`shutdown`](Self::shutdown)s: the messages in flight
+    /// finish within one `runtime.shutdown_timeout`. `shutdown` is
+    /// whatever ends the service: a signal, an HTTP server's end, a
+    /// channel. If consuming cannot start, shuts down and returns why.
+    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        if let Err(e) = self.consume().await {
+            self.shutdown().await;
+            return Err(e);
+        }
+        shutdown.await;
         self.shutdown().await;
         Ok(())
+    }
+
+    /// [`run_until`](Self::run_until) SIGINT or SIGTERM (Ctrl-C on other
+    /// systems). The signals are listened for before consuming starts.
+    pub async fn run_until_signal(self) -> Result<()> {
+        let signal = signal()?;
+        self.run_until(async {
+            signal.await;
+            tracing::info!("shutdown signal received");
+        })
+        .await
     }
 
     /// Stops consuming, lets the messages in flight finish (at most
@@ -310,21 +372,31 @@ impl Runtime {
     }
 }
 
-async fn wait_for_signal() -> Result<()> {
+/// A future that resolves on SIGINT or SIGTERM (Ctrl-C elsewhere); the
+/// handlers are in place once this returns. A signal handler that cannot
+/// be installed, or fails later, is an error now, or a shutdown then.
+fn signal() -> Result<impl Future<Output = ()>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut terminate = signal(SignalKind::terminate())
-            .map_err(|e| Error::Runtime(format!("cannot listen for SIGTERM: {e}")))?;
-        tokio::select! {
-            result = tokio::signal::ctrl_c() => result.map_err(|e| Error::Runtime(format!("cannot listen for SIGINT: {e}"))),
-            _ = terminate.recv() => Ok(()),
-        }
+        let listen = |kind: SignalKind, name: &str| {
+            signal(kind).map_err(|e| Error::Runtime(format!("cannot listen for {name}: {e}")))
+        };
+        let mut terminate = listen(SignalKind::terminate(), "SIGTERM")?;
+        let mut interrupt = listen(SignalKind::interrupt(), "SIGINT")?;
+        Ok(async move {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = interrupt.recv() => {}
+            }
+        })
     }
     #[cfg(not(unix))]
-    tokio::signal::ctrl_c()
-        .await
-        .map_err(|e| Error::Runtime(format!("cannot listen for Ctrl-C: {e}")))
+    Ok(async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C; shutting down");
+        }
+    })
 }
 
 /// The handlers of one event type, before their actor starts.

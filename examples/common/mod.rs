@@ -101,16 +101,14 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
 }
 
 /// The service's own tables, created before anything is consumed.
-pub async fn create_tables(settings: &Settings) -> inbox::Result<()> {
-    let pool = inbox::create_pool(settings)?;
-    inbox::wait_for_database(&pool, settings)
+pub async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Result<()> {
+    pool.get()
         .await?
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS attendee_checkins (attendee_id bigint PRIMARY KEY, checkins bigint NOT NULL);
              CREATE TABLE IF NOT EXISTS session_attendance (session_id bigint PRIMARY KEY, attendees bigint NOT NULL);",
         )
         .await?;
-    pool.close();
     Ok(())
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Counted, TestEnv, increment, publish_keys, wait_until};
+use crate::support::{Count, Counted, TestEnv, increment, publish_keys, wait_until};
 
 /// Counts after a pause, and says when the first call began.
 struct Slow {
@@ -91,5 +91,41 @@ async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost
     .await;
     runtime.shutdown().await;
     assert_eq!(env.count("counts", 9).await, 1, "one effect across both runtimes");
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn build_declares_without_consuming_and_run_until_consumes_until_its_future_resolves() {
+    let env = TestEnv::new("lifecycle").await;
+    let runtime = Runtime::builder(env.settings())
+        .handler(Count)
+        .build()
+        .await
+        .unwrap();
+    // Declared, and nobody consumes yet: the service sets up its own tables.
+    assert_eq!(env.consumers(&env.queue).await, Some(0));
+    runtime
+        .pool()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute("CREATE TABLE service_own (id bigint)")
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..3).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(env.ready(&env.queue).await, 3, "built, not consuming");
+
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = actix_rt::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    wait_until("all three are counted", || async {
+        env.scalar("SELECT count(*) FROM counts").await == 3
+    })
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert_eq!(env.consumers(&env.queue).await, Some(0), "it stopped consuming");
     assert_eq!(env.ready(&env.queue).await, 0);
 }
