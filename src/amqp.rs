@@ -243,6 +243,16 @@ pub struct AmqpPublisher {
     confirm_timeout: Duration,
 }
 
+impl std::fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("exchange", &self.exchange)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("owns_its_connection", &self.redial.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A publisher's connection and channel.
 struct PublishLink {
     connection: Arc<Connection>,

@@ -114,6 +114,7 @@ fn span(message_id: Uuid, event_type: &str, consumer: &str, redelivered: bool) -
 pub(crate) const JSON: &str = "application/json";
 
 /// The properties that identify a delivery in a log line, valid or not.
+#[derive(Debug)]
 pub struct DeliveryLabel<'a>(pub &'a BasicProperties);
 
 impl fmt::Display for DeliveryLabel<'_> {

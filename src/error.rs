@@ -1,7 +1,5 @@
 //! The crate's one error type.
 
-use tokio_postgres::error::SqlState;
-
 /// What a handler returns when it fails: whatever error the handler has, boxed.
 ///
 /// Every handler error is transient: the message walks the failure policy
@@ -57,8 +55,9 @@ impl Permanent {
     }
 }
 
-/// `Result` with this crate's [`Error`] as the default error.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// `Result` with this crate's [`Error`]. No second parameter, so that
+/// `inbox::Result::Ok(())` infers.
+pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything that can go wrong in `inbox`, outside a handler's own code.
 #[derive(Debug, thiserror::Error)]
@@ -241,36 +240,6 @@ impl Error {
             reason: reason.into(),
         }
     }
-
-    /// The SQLSTATE of a database error, if this is one.
-    pub fn sql_state(&self) -> Option<&SqlState> {
-        match self {
-            Error::Database(e) => e.code(),
-            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.code(),
-            _ => None,
-        }
-    }
-
-    /// Whether the database said this transaction lost a race that a later
-    /// attempt can win: a concurrent claim of the same message (unique
-    /// violation, lock wait past `database.lock_timeout`), a serialization
-    /// failure, a deadlock or a cancelled statement. Classified by SQLSTATE,
-    /// never by message text.
-    pub fn is_transient(&self) -> bool {
-        self.sql_state().is_some_and(is_transient_state)
-    }
-}
-
-/// SQLSTATEs after which the message is worth delivering again as it is.
-pub(crate) fn is_transient_state(state: &SqlState) -> bool {
-    [
-        SqlState::UNIQUE_VIOLATION,          // 23505: a concurrent claim committed first
-        SqlState::T_R_SERIALIZATION_FAILURE, // 40001
-        SqlState::T_R_DEADLOCK_DETECTED,     // 40P01
-        SqlState::LOCK_NOT_AVAILABLE,        // 55P03: lock_timeout
-        SqlState::QUERY_CANCELED,            // 57014: statement_timeout or cancel
-    ]
-    .contains(state)
 }
 
 #[cfg(test)]
@@ -293,6 +262,13 @@ mod tests {
             .is_unavailable()
         );
         assert!(!Error::Pool(deadpool_postgres::PoolError::Closed).is_unavailable());
+    }
+
+    #[test]
+    fn result_infers_from_ok_alone() {
+        // With a defaulted error parameter this was E0282.
+        let done = crate::Result::Ok(());
+        assert!(done.is_ok());
     }
 
     #[test]

@@ -60,22 +60,22 @@ use crate::stats::Stats;
 /// Stop consuming and resolve once no message is in flight.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Drain;
+pub(crate) struct Drain;
 
 /// Close the connection now, whatever is still in flight (shutdown past its
 /// timeout): unacked messages go back to the queue.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Disconnect;
+pub(crate) struct Disconnect;
 
 /// Send the buffered deliveries as batches (sent to itself once the
 /// deliveries that were ready together have all been buffered).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Flush;
+pub(crate) struct Flush;
 
 /// Consumes one queue.
-pub struct ConsumerActor {
+pub(crate) struct ConsumerActor {
     settler: Arc<Settler>,
     /// What reconnecting needs: the broker's address and the topology.
     settings: Settings,

@@ -36,7 +36,7 @@ use crate::handler::{Handle, HandleBatch, Handled, HandlerFailure};
 use crate::stats::{Counter, Stats};
 
 /// Process one message through the inbox.
-#[derive(Message)]
+#[derive(Debug, Message)]
 #[rtype(result = "Outcome")]
 pub struct Deliver {
     /// The consumer id: the first half of the dedup key.
@@ -46,7 +46,7 @@ pub struct Deliver {
 }
 
 /// Process several messages through the inbox in one transaction.
-#[derive(Message)]
+#[derive(Debug, Message)]
 #[rtype(result = "Vec<Outcome>")]
 pub struct DeliverBatch {
     /// The consumer id: the first half of the dedup key.
@@ -60,15 +60,15 @@ pub struct DeliverBatch {
 
 /// The handler actor of one event type, as the dedup actor addresses it.
 #[derive(Clone)]
-pub struct Route {
+pub(crate) struct Route {
     /// One message at a time.
-    pub one: Recipient<Handle>,
+    pub(crate) one: Recipient<Handle>,
     /// Several messages of a batch at once.
-    pub batch: Recipient<HandleBatch>,
+    pub(crate) batch: Recipient<HandleBatch>,
 }
 
 /// The handler actors, by event type name.
-pub type Routes = HashMap<String, Route>;
+pub(crate) type Routes = HashMap<String, Route>;
 
 /// Owns the pool and the store; runs each message's unit of work.
 pub struct DedupActor {
@@ -92,7 +92,7 @@ impl DedupActor {
     /// message's unit of work that takes longer than `transaction_timeout`
     /// is abandoned (its connection closed) and the message held as in an
     /// outage.
-    pub fn new(
+    pub(crate) fn new(
         pool: Pool,
         store: Arc<dyn DynInboxStore>,
         routes: Routes,
@@ -107,6 +107,15 @@ impl DedupActor {
             stats,
             batch_lanes: HashMap::new(),
         }
+    }
+}
+
+impl std::fmt::Debug for DedupActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DedupActor")
+            .field("event_types", &self.routes.keys().collect::<Vec<_>>())
+            .field("transaction_timeout", &self.transaction_timeout)
+            .finish_non_exhaustive()
     }
 }
 

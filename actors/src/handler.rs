@@ -19,26 +19,26 @@ use tracing::Instrument;
 /// Run the handlers for one message inside its unit of work.
 #[derive(Message)]
 #[rtype(result = "Handled")]
-pub struct Handle {
+pub(crate) struct Handle {
     /// The message.
-    pub envelope: Arc<Envelope>,
+    pub(crate) envelope: Arc<Envelope>,
     /// Its open transaction, with the inbox row claimed.
-    pub uow: UnitOfWork,
+    pub(crate) uow: UnitOfWork,
 }
 
 /// Run the handlers for several messages of one type inside one unit of
 /// work, through [`EventHandler::handle_batch`](inbox::EventHandler::handle_batch).
 #[derive(Message)]
 #[rtype(result = "Handled")]
-pub struct HandleBatch {
+pub(crate) struct HandleBatch {
     /// The messages, in delivery order.
-    pub envelopes: Vec<Arc<Envelope>>,
+    pub(crate) envelopes: Vec<Arc<Envelope>>,
     /// Their open transaction, with their inbox rows claimed.
-    pub uow: UnitOfWork,
+    pub(crate) uow: UnitOfWork,
 }
 
 /// The reply to [`Handle`] and [`HandleBatch`].
-pub enum Handled {
+pub(crate) enum Handled {
     /// Every handler succeeded: the unit of work, ready to commit.
     Done(UnitOfWork),
     /// A handler failed, or the body is not the event. `uow` is `None` when
@@ -54,7 +54,7 @@ pub enum Handled {
 
 /// Why the handlers did not complete a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HandlerFailure {
+pub(crate) enum HandlerFailure {
     /// The body does not deserialize into the event: no attempt can succeed.
     Malformed(String),
     /// A handler returned an error: the message may succeed on a later attempt.
@@ -87,16 +87,16 @@ pub enum HandlerFailure {
 /// handler panicked).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Restart;
+pub(crate) struct Restart;
 
 /// Runs the handlers registered for `E`.
-pub struct HandlerActor<E: IntegrationEvent> {
+pub(crate) struct HandlerActor<E: IntegrationEvent> {
     handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
 }
 
 impl<E: IntegrationEvent> HandlerActor<E> {
     /// An actor over `handlers`, which run in this order.
-    pub fn new(handlers: Vec<Arc<dyn DynEventHandler<E>>>) -> Self {
+    pub(crate) fn new(handlers: Vec<Arc<dyn DynEventHandler<E>>>) -> Self {
         Self {
             handlers: handlers.into(),
         }

@@ -6,20 +6,31 @@
 //!    └── ack · Q.retry.<n> · Q.error · Q.skipped
 //! ```
 //!
-//! - [`Runtime`]: built from [`inbox::Settings`] with
-//!   [`Runtime::builder`], registers handlers per event type, starts the
-//!   actors, drains them at shutdown.
-//! - [`ConsumerActor`]: one RabbitMQ queue; settles each delivery from its
-//!   [`Outcome`]: ack, immediate retries, a retry tier, `Q.error` or
-//!   `Q.skipped`.
-//! - [`DedupActor`]: owns the pool; claims the message in the inbox, runs
-//!   the handlers in one unit of work, commits or rolls back.
-//! - [`HandlerActor`]: the handlers of one event type; a panic fails the
-//!   message and restarts the actor, nothing else.
-//! - [`RetentionActor`]: deletes inbox rows past `retention.days`, while
-//!   the inbox is on.
-//! - [`Publisher`]: publishes over the broker, or in process.
-//! - [`Stats`]: what happened to the messages, for logs and metrics.
+//! A service touches the [`Runtime`]: built from [`inbox::Settings`] with
+//! [`Runtime::builder`], it registers a handler per event type,
+//! [`build`](RuntimeBuilder::build)s (database, migrations, topology),
+//! then [`run_until`](Runtime::run_until) a shutdown future, and drains
+//! within one timeout. It hands out a [`Publisher`] and the [`Stats`].
+//!
+//! The actors, one file each, with the messages they take:
+//! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends [`Deliver`]
+//!   (or [`DeliverBatch`]) to the dedup actor, and carries out what
+//!   [`inbox::decide`] makes of each [`Outcome`] (`settle.rs`): ack, hold,
+//!   retry, or move to a retry tier, `Q.error` or `Q.skipped`. Takes
+//!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
+//! - [`DedupActor`] (`dedup.rs`): owns the pool; claims the message in the
+//!   inbox, sends `Handle` (or `HandleBatch`) to the event type's handler
+//!   actor, commits or rolls back on its `Handled` reply, replies the
+//!   [`Outcome`]. Send it [`Deliver`] to feed the inbox from a source of
+//!   your own.
+//! - `HandlerActor<E>` (`handler.rs`): the handlers of one event type; a
+//!   panic fails the message, and the actor restarts (`Restart`).
+//! - [`RetentionActor`] (`retention.rs`): deletes inbox rows past
+//!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
+//!
+//! Beside them: `acks.rs` (the window of unsettled deliveries),
+//! `availability.rs` (the gate that waits out a database outage),
+//! `publisher.rs`, `stats.rs`, `runtime.rs`.
 
 mod acks;
 mod availability;
@@ -32,12 +43,10 @@ mod runtime;
 mod settle;
 mod stats;
 
-pub use consumer::{ConsumerActor, Disconnect, Drain, Flush};
-pub use dedup::{DedupActor, Deliver, DeliverBatch, Route, Routes};
-pub use handler::{Handle, HandleBatch, Handled, HandlerActor, HandlerFailure, Restart};
+pub use dedup::{DedupActor, Deliver, DeliverBatch};
 pub use inbox::{Abandoned, Outcome};
 pub use publisher::Publisher;
-pub use retention::{RetentionActor, StopSweeping, Sweep};
+pub use retention::{RetentionActor, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use stats::{Stats, StatsSnapshot};
 

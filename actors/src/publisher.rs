@@ -11,7 +11,7 @@ use crate::stats::{Counter, Stats};
 /// Publishes events the way the runtime's provider says: through RabbitMQ
 /// with publisher confirms, or, in process, straight to the handlers.
 /// Cheap to clone.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Publisher {
     way: Way,
 }
@@ -29,6 +29,17 @@ enum Way {
         consumer: Arc<str>,
         stats: Arc<Stats>,
     },
+}
+
+impl std::fmt::Debug for Way {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Way::Amqp(publisher) => publisher.fmt(f),
+            Way::InProcess { consumer, .. } => {
+                f.debug_struct("InProcess").field("consumer", consumer).finish()
+            }
+        }
+    }
 }
 
 impl Publisher {

@@ -17,16 +17,17 @@ use inbox::{RetentionSettings, SweepReport};
 use crate::stats::Stats;
 
 /// Sweep now, whatever the interval says.
-#[derive(Message)]
+#[derive(Debug, Message)]
 #[rtype(result = "inbox::Result<SweepReport>")]
 pub struct Sweep;
 
 /// Stop sweeping (shutdown).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct StopSweeping;
+pub(crate) struct StopSweeping;
 
 /// Deletes inbox rows past `retention.days`, every `retention.interval`.
+#[derive(Debug)]
 pub struct RetentionActor {
     pool: Pool,
     settings: RetentionSettings,

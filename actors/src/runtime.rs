@@ -177,6 +177,15 @@ impl RuntimeBuilder {
     }
 }
 
+impl std::fmt::Debug for RuntimeBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeBuilder")
+            .field("settings", &self.settings)
+            .field("event_types", &self.routes.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A started runtime. Keep it for as long as the service runs; end it with
 /// [`shutdown`](Self::shutdown) or [`run_until_signal`](Self::run_until_signal).
 ///
@@ -215,6 +224,16 @@ pub struct Runtime {
     retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
     stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("settings", &self.settings)
+            .field("consuming", &!self.consumers.is_empty())
+            .field("stats", &self.stats.snapshot())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Runtime {

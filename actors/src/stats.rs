@@ -30,8 +30,8 @@ pub struct Stats {
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
-/// A reading of [`Stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// A reading of [`Stats`]; serializes as a flat object of counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct StatsSnapshot {
     /// Handlers ran and their writes committed with the inbox row.

@@ -9,13 +9,13 @@ use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Setting
 use serde::{Deserialize, Serialize};
 
 /// The queue the check-in service consumes unless `--queue` says otherwise.
-pub const DEFAULT_QUEUE: &str = "checkin.attendee-checked-in";
+pub(crate) const DEFAULT_QUEUE: &str = "checkin.attendee-checked-in";
 
 /// An attendee checked in to a session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct AttendeeCheckedIn {
-    pub attendee_id: i64,
-    pub session_id: i64,
+pub(crate) struct AttendeeCheckedIn {
+    pub(crate) attendee_id: i64,
+    pub(crate) session_id: i64,
 }
 
 impl IntegrationEvent for AttendeeCheckedIn {
@@ -23,30 +23,31 @@ impl IntegrationEvent for AttendeeCheckedIn {
 }
 
 /// Adds a check-in for the attendee.
-pub const COUNT_CHECKIN: &str = "INSERT INTO attendee_checkins (attendee_id, checkins) VALUES ($1, 1)
+pub(crate) const COUNT_CHECKIN: &str = "INSERT INTO attendee_checkins (attendee_id, checkins) VALUES ($1, 1)
      ON CONFLICT (attendee_id) DO UPDATE SET checkins = attendee_checkins.checkins + 1";
 
 /// Adds an attendee to the session.
-pub const COUNT_ATTENDANCE: &str = "INSERT INTO session_attendance (session_id, attendees) VALUES ($1, 1)
+pub(crate) const COUNT_ATTENDANCE: &str =
+    "INSERT INTO session_attendance (session_id, attendees) VALUES ($1, 1)
      ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + 1";
 
 /// [`COUNT_CHECKIN`] for a whole batch in one statement. Grouped, because
 /// one statement may not update a row twice; ordered, so that concurrent
 /// batches lock their rows in the same order.
-pub const COUNT_CHECKINS: &str = "INSERT INTO attendee_checkins (attendee_id, checkins)
+pub(crate) const COUNT_CHECKINS: &str = "INSERT INTO attendee_checkins (attendee_id, checkins)
      SELECT attendee_id, count(*) FROM unnest($1::bigint[]) AS e (attendee_id)
      GROUP BY attendee_id ORDER BY attendee_id
      ON CONFLICT (attendee_id) DO UPDATE SET checkins = attendee_checkins.checkins + excluded.checkins";
 
 /// [`COUNT_ATTENDANCE`] for a whole batch in one statement.
-pub const COUNT_ATTENDANCES: &str = "INSERT INTO session_attendance (session_id, attendees)
+pub(crate) const COUNT_ATTENDANCES: &str = "INSERT INTO session_attendance (session_id, attendees)
      SELECT session_id, count(*) FROM unnest($1::bigint[]) AS e (session_id)
      GROUP BY session_id ORDER BY session_id
      ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + excluded.attendees";
 
 /// Counts check-ins per attendee; refuses negative attendee ids (a
 /// deliberate business failure, to show the failure path).
-pub struct CountCheckins;
+pub(crate) struct CountCheckins;
 
 impl EventHandler<AttendeeCheckedIn> for CountCheckins {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
@@ -83,7 +84,7 @@ fn refuse_negative(event: &AttendeeCheckedIn) -> Result<(), HandlerError> {
 }
 
 /// Counts attendees per session.
-pub struct CountAttendance;
+pub(crate) struct CountAttendance;
 
 impl EventHandler<AttendeeCheckedIn> for CountAttendance {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
@@ -101,7 +102,7 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
 }
 
 /// The service's own tables, created before anything is consumed.
-pub async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Result<()> {
+pub(crate) async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Result<()> {
     pool.get()
         .await?
         .batch_execute(
@@ -113,10 +114,10 @@ pub async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Resu
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.
-pub struct XorShift(pub u64);
+pub(crate) struct XorShift(pub u64);
 
 impl XorShift {
-    pub fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -124,18 +125,18 @@ impl XorShift {
     }
 
     /// A number in `0..n`.
-    pub fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 
     /// `true` with probability `p`.
-    pub fn chance(&mut self, p: f64) -> bool {
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
         (self.below(1_000_000) as f64) < p * 1_000_000.0
     }
 }
 
 /// Drops and creates database `name` on the server `settings` point at.
-pub async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+pub(crate) async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result<()> {
     let mut admin = settings.clone();
     admin.database.name = None;
     let pool = inbox::create_pool(&admin)?;
@@ -149,14 +150,14 @@ pub async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result
 }
 
 /// The value after `--name` on the command line.
-pub fn arg(name: &str) -> Option<String> {
+pub(crate) fn arg(name: &str) -> Option<String> {
     let mut args = std::env::args().skip_while(|a| a != name);
     args.next()?;
     args.next()
 }
 
 /// `--name` parsed, or `default`; exits with a clear message on a bad value.
-pub fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     match arg(name) {
         None => default,
         Some(text) => text.parse().unwrap_or_else(|_| {
@@ -169,7 +170,7 @@ pub fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// `config/` (with `INBOX_ENV`) and `INBOX__…`, then `DATABASE_URL` and
 /// `AMQP_URL`, then `--queue`: the queue to consume (default
 /// [`DEFAULT_QUEUE`] when the settings list none).
-pub fn settings() -> inbox::Result<Settings> {
+pub(crate) fn settings() -> inbox::Result<Settings> {
     let mut settings = Settings::load()?;
     settings.apply_conventional_urls();
     if let Some(queue) = arg("--queue") {

@@ -265,7 +265,7 @@ async fn with_the_inbox_off_a_duplicate_runs_twice() {
 
 /// A store written against the trait's two required methods only, over a
 /// table of its own, with a plain INSERT (no ON CONFLICT).
-pub struct HandWrittenStore;
+pub(crate) struct HandWrittenStore;
 
 impl InboxStore for HandWrittenStore {
     async fn already_processed(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<bool> {
@@ -292,7 +292,7 @@ impl InboxStore for HandWrittenStore {
 
 impl HandWrittenStore {
     /// Creates the store's table in the test's database.
-    pub async fn create_table(env: &TestEnv) {
+    pub(crate) async fn create_table(env: &TestEnv) {
         env.db()
             .await
             .batch_execute("CREATE TABLE my_inbox (consumer text, id uuid, PRIMARY KEY (consumer, id))")

@@ -23,8 +23,8 @@ enum Network {
     Blackhole,
 }
 
-pub struct Proxy {
-    pub port: u16,
+pub(crate) struct Proxy {
+    pub(crate) port: u16,
     /// What new connections, and the ones open since the last
     /// [`restore_for_new_connections`](Self::restore_for_new_connections), see.
     network: Arc<Mutex<watch::Sender<Network>>>,
@@ -36,7 +36,7 @@ pub struct Proxy {
 
 impl Proxy {
     /// Forwards 127.0.0.1:<port> to `target`.
-    pub async fn start(target: SocketAddr) -> Self {
+    pub(crate) async fn start(target: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let network = Arc::new(Mutex::new(watch::channel(Network::Up).0));
@@ -82,7 +82,7 @@ impl Proxy {
     }
 
     /// Breaks every connection through it and refuses new ones.
-    pub fn cut(&self) {
+    pub(crate) fn cut(&self) {
         self.set(Network::Cut);
         for link in self.links.lock().unwrap().drain(..) {
             link.abort();
@@ -90,19 +90,19 @@ impl Proxy {
     }
 
     /// Stops all traffic without closing anything: packets vanish.
-    pub fn blackhole(&self) {
+    pub(crate) fn blackhole(&self) {
         self.set(Network::Blackhole);
     }
 
     /// Lets traffic through again; what a blackhole held goes on.
-    pub fn restore(&self) {
+    pub(crate) fn restore(&self) {
         self.set(Network::Up);
     }
 
     /// Lets new connections through, while the ones open now stay in a
     /// blackhole for good: a firewall that lost their state. Only a bound
     /// on every wait gets past this.
-    pub fn restore_for_new_connections(&self) {
+    pub(crate) fn restore_for_new_connections(&self) {
         let mut network = self.network.lock().unwrap();
         network.send_replace(Network::Blackhole);
         let old = std::mem::replace(&mut *network, watch::channel(Network::Up).0);

@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 /// The test event: each one adds 1 to `counts` (and `second_counts`) at `key`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Counted {
-    pub key: i64,
+pub(crate) struct Counted {
+    pub(crate) key: i64,
 }
 
 impl IntegrationEvent for Counted {
@@ -25,7 +25,7 @@ impl IntegrationEvent for Counted {
 }
 
 /// Adds 1 to `counts.n` at the event's key.
-pub struct Count;
+pub(crate) struct Count;
 
 impl EventHandler<Counted> for Count {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
@@ -34,7 +34,7 @@ impl EventHandler<Counted> for Count {
 }
 
 /// Adds 1 to `second_counts.n` at the event's key: a second handler.
-pub struct CountAgain;
+pub(crate) struct CountAgain;
 
 impl EventHandler<Counted> for CountAgain {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
@@ -42,7 +42,7 @@ impl EventHandler<Counted> for CountAgain {
     }
 }
 
-pub async fn increment(uow: &mut UnitOfWork, table: &str, key: i64) -> Result<(), HandlerError> {
+pub(crate) async fn increment(uow: &mut UnitOfWork, table: &str, key: i64) -> Result<(), HandlerError> {
     let sql = format!(
         "INSERT INTO {table} (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = {table}.n + 1"
     );
@@ -54,7 +54,7 @@ fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
-pub fn amqp_url() -> String {
+pub(crate) fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
@@ -70,15 +70,15 @@ async fn connect(url: &str, dbname: Option<&str>) -> Client {
 
 /// One test's own database (`inbox_test_<name>`, made afresh) and queue
 /// (`test.<name>.<uuid>`), both removed when it drops, pass or fail.
-pub struct TestEnv {
-    pub database: String,
-    pub queue: String,
+pub(crate) struct TestEnv {
+    pub(crate) database: String,
+    pub(crate) queue: String,
     /// More queues of this test's, removed with the rest.
     extra_queues: Vec<String>,
 }
 
 impl TestEnv {
-    pub async fn new(name: &str) -> Self {
+    pub(crate) async fn new(name: &str) -> Self {
         let database = format!("inbox_test_{name}");
         let admin = connect(&database_url(), None).await;
         // Two calls: one string would run as one transaction, which
@@ -106,7 +106,7 @@ impl TestEnv {
     }
 
     /// `config/test.toml` pointed at this test's database and queue.
-    pub fn settings(&self) -> Settings {
+    pub(crate) fn settings(&self) -> Settings {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
         let mut settings = Settings::load_environment(&dir, "test").expect("config/test.toml");
         settings.database.url = database_url();
@@ -117,18 +117,18 @@ impl TestEnv {
     }
 
     /// Another queue name of this test's (`<queue>.<suffix>`).
-    pub fn another_queue(&mut self, suffix: &str) -> String {
+    pub(crate) fn another_queue(&mut self, suffix: &str) -> String {
         let name = format!("{}.{suffix}", self.queue);
         self.extra_queues.push(name.clone());
         name
     }
 
     /// A connection to this test's database, outside the runtime.
-    pub async fn db(&self) -> Client {
+    pub(crate) async fn db(&self) -> Client {
         connect(&database_url(), Some(&self.database)).await
     }
 
-    pub async fn count(&self, table: &str, key: i64) -> i64 {
+    pub(crate) async fn count(&self, table: &str, key: i64) -> i64 {
         let row = self
             .db()
             .await
@@ -138,12 +138,12 @@ impl TestEnv {
         row.map_or(0, |r| r.get(0))
     }
 
-    pub async fn scalar(&self, sql: &str) -> i64 {
+    pub(crate) async fn scalar(&self, sql: &str) -> i64 {
         self.db().await.query_one(sql, &[]).await.unwrap().get(0)
     }
 
     /// Publishes raw properties and body to this test's queue, confirmed.
-    pub async fn publish_raw(&self, properties: BasicProperties, body: &[u8]) {
+    pub(crate) async fn publish_raw(&self, properties: BasicProperties, body: &[u8]) {
         let connection = amqp().await;
         let channel = connection.create_channel().await.unwrap();
         channel.confirm_select(Default::default()).await.unwrap();
@@ -164,7 +164,7 @@ impl TestEnv {
     }
 
     /// Takes one message from `queue` (acked), if there is one.
-    pub async fn take(&self, queue: &str) -> Option<Delivery> {
+    pub(crate) async fn take(&self, queue: &str) -> Option<Delivery> {
         let connection = amqp().await;
         let channel = connection.create_channel().await.unwrap();
         let got = channel
@@ -177,12 +177,12 @@ impl TestEnv {
     }
 
     /// Messages ready in `queue` (not counting unacked ones).
-    pub async fn ready(&self, queue: &str) -> u32 {
+    pub(crate) async fn ready(&self, queue: &str) -> u32 {
         probe(queue).await.expect("the queue exists").message_count()
     }
 
     /// Consumers of `queue`; `None` while it does not exist.
-    pub async fn consumers(&self, queue: &str) -> Option<u32> {
+    pub(crate) async fn consumers(&self, queue: &str) -> Option<u32> {
         probe(queue).await.map(|q| q.consumer_count())
     }
 }
@@ -251,7 +251,7 @@ impl Drop for TestEnv {
     }
 }
 
-pub async fn amqp() -> Arc<Connection> {
+pub(crate) async fn amqp() -> Arc<Connection> {
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .expect("connect to RabbitMQ");
@@ -259,7 +259,7 @@ pub async fn amqp() -> Arc<Connection> {
 }
 
 /// A header of `delivery` as text (strings) or its debug form (others).
-pub fn header(delivery: &Delivery, key: &str) -> Option<String> {
+pub(crate) fn header(delivery: &Delivery, key: &str) -> Option<String> {
     use inbox::lapin::types::AMQPValue;
     let value = delivery.properties.headers().as_ref()?.inner().get(key)?.clone();
     Some(match value {
@@ -270,7 +270,11 @@ pub fn header(delivery: &Delivery, key: &str) -> Option<String> {
 }
 
 /// Publishes one new message per key, in order, through the runtime.
-pub async fn publish_keys(runtime: &inbox_actors::Runtime, queue: &str, keys: impl IntoIterator<Item = i64>) {
+pub(crate) async fn publish_keys(
+    runtime: &inbox_actors::Runtime,
+    queue: &str,
+    keys: impl IntoIterator<Item = i64>,
+) {
     for key in keys {
         runtime
             .publisher()
@@ -282,7 +286,7 @@ pub async fn publish_keys(runtime: &inbox_actors::Runtime, queue: &str, keys: im
 
 /// Declares the topology of the first queue `settings` list, as a runtime
 /// would at its start.
-pub async fn declare(settings: &Settings) {
+pub(crate) async fn declare(settings: &Settings) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
@@ -292,7 +296,7 @@ pub async fn declare(settings: &Settings) {
 }
 
 /// Polls `condition` until it holds, failing the test after 30 s with `what`.
-pub async fn wait_until<F, Fut>(what: &str, mut condition: F)
+pub(crate) async fn wait_until<F, Fut>(what: &str, mut condition: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -306,7 +310,7 @@ where
 
 /// Collects what a tracing subscriber writes, for tests of the logs.
 #[derive(Clone, Default)]
-pub struct Captured(Arc<Mutex<Vec<u8>>>);
+pub(crate) struct Captured(Arc<Mutex<Vec<u8>>>);
 
 impl std::io::Write for Captured {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -321,7 +325,7 @@ impl std::io::Write for Captured {
 impl Captured {
     /// Captures this thread's INFO and above until the guard drops (the
     /// test's actix system runs on this thread).
-    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
+    pub(crate) fn install(&self) -> tracing::subscriber::DefaultGuard {
         let writer = self.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_writer(move || writer.clone())
@@ -331,7 +335,7 @@ impl Captured {
         tracing::subscriber::set_default(subscriber)
     }
 
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 }
