@@ -49,10 +49,11 @@ async fn run() -> inbox::Result<()> {
     let mut settings = common::settings()?;
     if common::arg("--batch-size").is_some() {
         let size = common::parsed_arg("--batch-size", 1u16);
-        for queue in &mut settings.queues {
-            queue.batch_size = size;
-        }
-        settings.validate()?;
+        settings = settings.with(|settings| {
+            for queue in &mut settings.queues {
+                queue.batch_size = size;
+            }
+        })?;
     }
     let mut builder = Runtime::builder(settings);
     if common::arg("--abort-on-attendee").is_some() {

@@ -103,7 +103,7 @@ struct Suite {
 
 async fn run() -> Result<bool> {
     let started = Instant::now();
-    let mut settings = common::settings()?;
+    let mut settings = common::settings()?.into_inner();
     let queue = format!("faults.checkin.{}", inbox::uuid::Uuid::now_v7());
     settings.queues = vec![QueueSettings::new(&queue)];
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];

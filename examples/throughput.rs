@@ -163,7 +163,7 @@ async fn run() -> Result<()> {
         .collect::<std::result::Result<_, _>>()
         .map_err(Error::Runtime)?;
 
-    let mut settings = common::settings()?;
+    let mut settings = common::settings()?.into_inner();
     settings.database.name = Some(DATABASE.into());
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
@@ -460,7 +460,7 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize) -> Result
     settings.message_bus.enable_inbox = Some(inbox_on);
     settings.database.run_migrations = false; // done once, before the runs
     let started = Instant::now();
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.validate()?)
         .handler(CountCheckins)
         .handler(CountAttendance)
         .start()

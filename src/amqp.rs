@@ -27,24 +27,7 @@ use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSetti
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
 
-/// The longest suffix a kept queue adds to `Q` (`.retry.` and up to nine
-/// digits, or `.skipped`), for the 255-byte limit on names.
-pub(crate) const LONGEST_SUFFIX: usize = 16;
-
-/// `Q.retry.<tier>`, tiers counted from 1.
-pub fn retry_queue(queue: &str, tier: usize) -> String {
-    format!("{queue}.retry.{tier}")
-}
-
-/// `Q.error`.
-pub fn error_queue(queue: &str) -> String {
-    format!("{queue}.error")
-}
-
-/// `Q.skipped`.
-pub fn skipped_queue(queue: &str) -> String {
-    format!("{queue}.skipped")
-}
+pub use crate::names::{error_queue, retry_queue, skipped_queue};
 
 /// Connects to `message_bus.amqp_url` with lapin's automatic recovery on
 /// (connection, channels, topology, consumers and QoS are replayed after a

@@ -40,6 +40,7 @@ mod event;
 pub mod fault;
 mod handler;
 mod migrations;
+mod names;
 pub mod policy;
 mod retention;
 mod settings;
@@ -59,7 +60,7 @@ pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{
     DatabaseSettings, Destination, FailureSettings, MessageBusSettings, Provider, QueueKind, QueueSettings,
-    RetentionSettings, RuntimeSettings, Settings,
+    RetentionSettings, RuntimeSettings, Settings, ValidSettings,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 pub use unit_of_work::{Nested, UnitOfWork};

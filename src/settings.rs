@@ -429,19 +429,19 @@ impl Settings {
     /// `config/` under the working directory. Which files were read is
     /// logged at INFO (and a folder without any at WARN): a service started
     /// elsewhere must not run on the defaults unnoticed.
-    pub fn load() -> Result<Self> {
+    pub fn load() -> Result<ValidSettings> {
         Self::load_from(&config_dir(std::env::var_os("INBOX_CONFIG_DIR")))
     }
 
     /// Like [`Settings::load`], with the settings files in `dir`.
-    pub fn load_from(dir: &Path) -> Result<Self> {
+    pub fn load_from(dir: &Path) -> Result<ValidSettings> {
         let inbox_env = std::env::var("INBOX_ENV").ok().filter(|e| !e.is_empty());
         Self::load_layered(dir, inbox_env.as_deref(), None)
     }
 
     /// Like [`Settings::load_from`], for the environment named `inbox_env`
     /// whatever `INBOX_ENV` says (tests load `config/test.toml` this way).
-    pub fn load_environment(dir: &Path, inbox_env: &str) -> Result<Self> {
+    pub fn load_environment(dir: &Path, inbox_env: &str) -> Result<ValidSettings> {
         Self::load_layered(dir, Some(inbox_env), None)
     }
 
@@ -450,7 +450,7 @@ impl Settings {
         dir: &Path,
         inbox_env: Option<&str>,
         vars: Option<HashMap<String, String>>,
-    ) -> Result<Self> {
+    ) -> Result<ValidSettings> {
         use config::{Config, Environment, File};
         let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
         // default.toml is optional (the built-in defaults are the same values);
@@ -487,8 +487,7 @@ impl Settings {
             )
             .build()?
             .try_deserialize()?;
-        settings.validate()?;
-        Ok(settings)
+        settings.validate()
     }
 
     /// Applies the conventional `DATABASE_URL` and `AMQP_URL` environment
@@ -584,140 +583,28 @@ impl Settings {
         Ok(config)
     }
 
-    /// Checks every value the runtime relies on; the error names the key.
-    pub fn validate(&self) -> Result<()> {
-        let bus = &self.message_bus;
-        if bus.provider == Provider::Rabbitmq {
-            bus.amqp_url
-                .parse::<lapin::uri::AMQPUri>()
-                .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
-        }
-        if bus.exchange.len() > 255 {
-            return Err(Error::setting(
-                "message_bus.exchange",
-                "is longer than the 255 bytes AMQP allows",
-            ));
-        }
-
-        let db = &self.database;
+    /// Checks every value the runtime relies on, section by section, and
+    /// returns the settings as [`ValidSettings`], the only kind the runtime
+    /// takes. The error names the key.
+    pub fn validate(self) -> Result<ValidSettings> {
+        self.message_bus.validate()?;
+        self.database.validate()?;
         self.pg_config()?;
-        if db.name.as_deref() == Some("") {
-            return Err(Error::setting(
-                "database.name",
-                "is empty; leave it unset to use the url's database",
-            ));
-        }
-        if db.pool_size == 0 {
-            return Err(Error::setting("database.pool_size", "must be at least 1"));
-        }
-        if db.lock_timeout.is_zero() {
-            // PostgreSQL reads lock_timeout = 0 as "wait forever".
-            return Err(Error::setting(
-                "database.lock_timeout",
-                "must be more than 0 (0 would wait forever)",
-            ));
-        }
-        if db.lock_timeout > MAX_PG_TIMEOUT {
-            // The server would refuse every connection, which would look
-            // like an outage that never ends.
-            return Err(Error::setting(
-                "database.lock_timeout",
-                "must be at most 2147483647ms (24 days), the most PostgreSQL accepts",
-            ));
-        }
-        bounded(db.connect_timeout, "database.connect_timeout")?;
-        if db.transaction_timeout.is_zero() || db.transaction_timeout > MAX_PG_TIMEOUT {
-            return Err(Error::setting(
-                "database.transaction_timeout",
-                "must be more than 0 and at most 2147483647ms (24 days), the most PostgreSQL accepts",
-            ));
-        }
-        bounded(bus.connect_timeout, "message_bus.connect_timeout")?;
-        bounded(bus.confirm_timeout, "message_bus.confirm_timeout")?;
-
         let mut names = HashSet::new();
         for (i, queue) in self.queues.iter().enumerate() {
-            let key = |field: &str| format!("queues[{i}].{field}");
-            if queue.name.is_empty() {
-                return Err(Error::setting(&key("name"), "is empty"));
-            }
-            if queue.name.len() + crate::amqp::LONGEST_SUFFIX > 255 {
-                return Err(Error::setting(
-                    &key("name"),
-                    format!(
-                        "is {} bytes long; AMQP names hold 255 and the runtime adds up to {} for `.retry.<n>`, `.error` and `.skipped`",
-                        queue.name.len(),
-                        crate::amqp::LONGEST_SUFFIX
-                    ),
-                ));
-            }
+            queue.validate(i)?;
             if !names.insert(queue.name.as_str()) {
                 return Err(Error::setting(
-                    &key("name"),
+                    &format!("queues[{i}].name"),
                     format!("`{}` is listed twice", queue.name),
                 ));
             }
-            if queue.consumer.as_deref() == Some("") {
-                return Err(Error::setting(
-                    &key("consumer"),
-                    "is empty; leave it unset to use the queue name",
-                ));
-            }
-            if queue.prefetch == 0 {
-                // basic.qos 0 means "unlimited", which would defeat the pool sizing.
-                return Err(Error::setting(&key("prefetch"), "must be at least 1"));
-            }
-            // Past 64 subtransactions PostgreSQL's snapshots overflow their
-            // cache and slow every session down.
-            if !(1..=64).contains(&queue.batch_size) || queue.batch_size > queue.prefetch {
-                return Err(Error::setting(
-                    &key("batch_size"),
-                    format!("must be from 1 to 64 and at most prefetch ({})", queue.prefetch),
-                ));
-            }
-            if !(1..=MAX_DELIVERY_LIMIT).contains(&queue.delivery_limit) {
-                return Err(Error::setting(
-                    &key("delivery_limit"),
-                    format!("must be from 1 to {MAX_DELIVERY_LIMIT}"),
-                ));
-            }
-            let in_flight = (queue.prefetch / queue.batch_size).max(1);
-            if !(1..=in_flight).contains(&queue.concurrent_batches) {
-                return Err(Error::setting(
-                    &key("concurrent_batches"),
-                    format!(
-                        "must be from 1 to prefetch / batch_size ({in_flight}): no more batches are ever in flight"
-                    ),
-                ));
-            }
         }
-        let failure = &self.failure;
-        if failure.immediate_retries > 100 {
-            return Err(Error::setting("failure.immediate_retries", "must be at most 100"));
-        }
-        for (i, delay) in failure.delays.iter().enumerate() {
-            // x-message-ttl is a 32-bit count of milliseconds.
-            if delay.is_zero() || delay.as_millis() > u128::from(u32::MAX) {
-                return Err(Error::setting(
-                    &format!("failure.delays[{i}]"),
-                    "must be more than 0 and at most 49 days",
-                ));
-            }
-        }
-        if failure.max_body_size == 0 {
-            return Err(Error::setting("failure.max_body_size", "must be at least 1"));
-        }
-        if !(1..=MAX_RETENTION_DAYS).contains(&self.retention.days) {
-            return Err(Error::setting(
-                "retention.days",
-                format!("must be from 1 to {MAX_RETENTION_DAYS}"),
-            ));
-        }
-        bounded(self.retention.interval, "retention.interval")?;
-        if self.retention.batch_size == 0 {
-            return Err(Error::setting("retention.batch_size", "must be at least 1"));
-        }
-        let path = failure.longest_redelivery_path();
+        self.failure.validate()?;
+        self.retention.validate()?;
+        bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
+        // Across sections: a late redelivery must still find its row.
+        let path = self.failure.longest_redelivery_path();
         if self.retention.period() <= path {
             return Err(Error::setting(
                 "retention.days",
@@ -729,8 +616,189 @@ impl Settings {
                 ),
             ));
         }
-        bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
+        Ok(ValidSettings(self))
+    }
+}
+
+impl MessageBusSettings {
+    fn validate(&self) -> Result<()> {
+        if self.provider == Provider::Rabbitmq {
+            self.amqp_url
+                .parse::<lapin::uri::AMQPUri>()
+                .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
+        }
+        if self.exchange.len() > 255 {
+            return Err(Error::setting(
+                "message_bus.exchange",
+                "is longer than the 255 bytes AMQP allows",
+            ));
+        }
+        bounded(self.connect_timeout, "message_bus.connect_timeout")?;
+        bounded(self.confirm_timeout, "message_bus.confirm_timeout")
+    }
+}
+
+impl DatabaseSettings {
+    fn validate(&self) -> Result<()> {
+        if self.name.as_deref() == Some("") {
+            return Err(Error::setting(
+                "database.name",
+                "is empty; leave it unset to use the url's database",
+            ));
+        }
+        if self.pool_size == 0 {
+            return Err(Error::setting("database.pool_size", "must be at least 1"));
+        }
+        if self.lock_timeout.is_zero() {
+            // PostgreSQL reads lock_timeout = 0 as "wait forever".
+            return Err(Error::setting(
+                "database.lock_timeout",
+                "must be more than 0 (0 would wait forever)",
+            ));
+        }
+        if self.lock_timeout > MAX_PG_TIMEOUT {
+            // The server would refuse every connection, which would look
+            // like an outage that never ends.
+            return Err(Error::setting(
+                "database.lock_timeout",
+                "must be at most 2147483647ms (24 days), the most PostgreSQL accepts",
+            ));
+        }
+        bounded(self.connect_timeout, "database.connect_timeout")?;
+        if self.transaction_timeout.is_zero() || self.transaction_timeout > MAX_PG_TIMEOUT {
+            return Err(Error::setting(
+                "database.transaction_timeout",
+                "must be more than 0 and at most 2147483647ms (24 days), the most PostgreSQL accepts",
+            ));
+        }
         Ok(())
+    }
+}
+
+impl QueueSettings {
+    /// Checks entry `i` of `[[queues]]`.
+    fn validate(&self, i: usize) -> Result<()> {
+        let key = |field: &str| format!("queues[{i}].{field}");
+        if self.name.is_empty() {
+            return Err(Error::setting(&key("name"), "is empty"));
+        }
+        if self.name.len() + crate::names::LONGEST_SUFFIX > 255 {
+            return Err(Error::setting(
+                &key("name"),
+                format!(
+                    "is {} bytes long; AMQP names hold 255 and the runtime adds up to {} for `.retry.<n>`, `.error` and `.skipped`",
+                    self.name.len(),
+                    crate::names::LONGEST_SUFFIX
+                ),
+            ));
+        }
+        if self.consumer.as_deref() == Some("") {
+            return Err(Error::setting(
+                &key("consumer"),
+                "is empty; leave it unset to use the queue name",
+            ));
+        }
+        if self.prefetch == 0 {
+            // basic.qos 0 means "unlimited", which would defeat the pool sizing.
+            return Err(Error::setting(&key("prefetch"), "must be at least 1"));
+        }
+        // Past 64 subtransactions PostgreSQL's snapshots overflow their
+        // cache and slow every session down.
+        if !(1..=64).contains(&self.batch_size) || self.batch_size > self.prefetch {
+            return Err(Error::setting(
+                &key("batch_size"),
+                format!("must be from 1 to 64 and at most prefetch ({})", self.prefetch),
+            ));
+        }
+        if !(1..=MAX_DELIVERY_LIMIT).contains(&self.delivery_limit) {
+            return Err(Error::setting(
+                &key("delivery_limit"),
+                format!("must be from 1 to {MAX_DELIVERY_LIMIT}"),
+            ));
+        }
+        let in_flight = (self.prefetch / self.batch_size).max(1);
+        if !(1..=in_flight).contains(&self.concurrent_batches) {
+            return Err(Error::setting(
+                &key("concurrent_batches"),
+                format!(
+                    "must be from 1 to prefetch / batch_size ({in_flight}): no more batches are ever in flight"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl FailureSettings {
+    fn validate(&self) -> Result<()> {
+        if self.immediate_retries > 100 {
+            return Err(Error::setting("failure.immediate_retries", "must be at most 100"));
+        }
+        for (i, delay) in self.delays.iter().enumerate() {
+            // x-message-ttl is a 32-bit count of milliseconds.
+            if delay.is_zero() || delay.as_millis() > u128::from(u32::MAX) {
+                return Err(Error::setting(
+                    &format!("failure.delays[{i}]"),
+                    "must be more than 0 and at most 49 days",
+                ));
+            }
+        }
+        if self.max_body_size == 0 {
+            return Err(Error::setting("failure.max_body_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl RetentionSettings {
+    fn validate(&self) -> Result<()> {
+        if !(1..=MAX_RETENTION_DAYS).contains(&self.days) {
+            return Err(Error::setting(
+                "retention.days",
+                format!("must be from 1 to {MAX_RETENTION_DAYS}"),
+            ));
+        }
+        bounded(self.interval, "retention.interval")?;
+        if self.batch_size == 0 {
+            return Err(Error::setting("retention.batch_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// [`Settings`] that passed [`Settings::validate`]: the only kind the
+/// runtime takes, so an invalid value stops a service at its start with an
+/// error naming the key, never later. Read it like `Settings` (it derefs to
+/// them); change it with [`with`](Self::with), which validates again.
+#[derive(Clone)]
+pub struct ValidSettings(Settings);
+
+impl std::fmt::Debug for ValidSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl ValidSettings {
+    /// Applies `change` and validates the result: overrides from code (a
+    /// command-line flag, a test's queue name).
+    pub fn with(self, change: impl FnOnce(&mut Settings)) -> Result<Self> {
+        let mut settings = self.0;
+        change(&mut settings);
+        settings.validate()
+    }
+
+    /// The settings, to change and validate again.
+    pub fn into_inner(self) -> Settings {
+        self.0
+    }
+}
+
+impl std::ops::Deref for ValidSettings {
+    type Target = Settings;
+
+    fn deref(&self) -> &Settings {
+        &self.0
     }
 }
 

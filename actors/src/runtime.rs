@@ -11,7 +11,7 @@ use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
 use inbox::{
     DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
-    PgInboxStore, Provider, Result, Settings,
+    PgInboxStore, Provider, Result, Settings, ValidSettings,
 };
 
 use crate::availability::DatabaseGate;
@@ -27,7 +27,7 @@ const IN_PROCESS_CONSUMER: &str = "in_process";
 
 /// Collects handlers, then [`start`](Self::start)s the runtime.
 pub struct RuntimeBuilder {
-    settings: Settings,
+    settings: ValidSettings,
     routes: HashMap<&'static str, Box<dyn Registered>>,
     store: Option<Arc<dyn DynInboxStore>>,
     error: Option<Error>,
@@ -93,7 +93,6 @@ impl RuntimeBuilder {
         if let Some(error) = error {
             return Err(error);
         }
-        settings.validate()?;
         if settings.message_bus.provider == Provider::Rabbitmq
             && routes.is_empty()
             && !settings.queues.is_empty()
@@ -217,7 +216,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// }
 /// ```
 pub struct Runtime {
-    settings: Settings,
+    settings: ValidSettings,
     pool: Pool,
     dedup: Addr<DedupActor>,
     consumers: Vec<Addr<ConsumerActor>>,
@@ -237,8 +236,9 @@ impl std::fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// A builder over `settings`.
-    pub fn builder(settings: Settings) -> RuntimeBuilder {
+    /// A builder over `settings`, validated: [`Settings::load`] gives
+    /// them so, and [`Settings::validate`] makes them so.
+    pub fn builder(settings: ValidSettings) -> RuntimeBuilder {
         RuntimeBuilder {
             settings,
             routes: HashMap::new(),

@@ -5,7 +5,9 @@
 #![allow(dead_code)]
 
 use inbox::tokio_postgres::types::ToSql;
-use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork};
+use inbox::{
+    EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
+};
 use serde::{Deserialize, Serialize};
 
 /// The queue the check-in service consumes unless `--queue` says otherwise.
@@ -170,14 +172,13 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// `config/` (with `INBOX_ENV`) and `INBOX__…`, then `DATABASE_URL` and
 /// `AMQP_URL`, then `--queue`: the queue to consume (default
 /// [`DEFAULT_QUEUE`] when the settings list none).
-pub(crate) fn settings() -> inbox::Result<Settings> {
-    let mut settings = Settings::load()?;
-    settings.apply_conventional_urls();
-    if let Some(queue) = arg("--queue") {
-        settings.queues = vec![QueueSettings::new(queue)];
-    } else if settings.queues.is_empty() {
-        settings.queues = vec![QueueSettings::new(DEFAULT_QUEUE)];
-    }
-    settings.validate()?;
-    Ok(settings)
+pub(crate) fn settings() -> inbox::Result<ValidSettings> {
+    Settings::load()?.with(|settings| {
+        settings.apply_conventional_urls();
+        if let Some(queue) = arg("--queue") {
+            settings.queues = vec![QueueSettings::new(queue)];
+        } else if settings.queues.is_empty() {
+            settings.queues = vec![QueueSettings::new(DEFAULT_QUEUE)];
+        }
+    })
 }

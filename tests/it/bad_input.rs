@@ -6,7 +6,7 @@ use inbox::lapin::BasicProperties;
 use inbox::lapin::options::QueueDeleteOptions;
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, amqp, header, publish_keys, wait_until};
+use crate::support::{Count, Counted, TestEnv, Valid, amqp, header, publish_keys, wait_until};
 
 fn properties(message_id: Option<&str>, kind: Option<&str>) -> BasicProperties {
     let mut p = BasicProperties::default().with_content_type("application/json".into());
@@ -24,7 +24,11 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
     let env = TestEnv::new("bad_input").await;
     let mut settings = env.settings();
     settings.failure.max_body_size = 64;
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let id = || uuid::Uuid::now_v7().to_string();
     let good = br#"{"key": 1}"#;
     let oversized = format!(r#"{{"key": 1, "padding": "{}"}}"#, "x".repeat(64));
@@ -128,7 +132,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
 async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     let env = TestEnv::new("error_copy_unconfirmed").await;
     let settings = env.settings();
-    let runtime = Runtime::builder(settings.clone())
+    let runtime = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await
@@ -157,7 +161,11 @@ async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     );
 
     // With the topology back (a new runtime declares it), the move succeeds.
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     wait_until("the copy reaches the error queue", || async {
         env.ready(&error_queue).await == 1
     })
@@ -171,7 +179,11 @@ async fn a_body_quoted_whole_in_its_error_still_reaches_the_error_queue_with_the
     let env = TestEnv::new("huge_reason").await;
     let settings = env.settings();
     let max = settings.failure.max_body_size;
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     // serde quotes the offending string whole: 200 KB, and just under the
     // body limit, are both past the broker's 128 KiB frame.
     let body = |len: usize| format!(r#"{{"key": "{}"}}"#, "x".repeat(len)).into_bytes();

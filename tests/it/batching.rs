@@ -7,7 +7,7 @@ use inbox::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settin
 use inbox_actors::{DeliverBatch, Outcome, Runtime};
 
 use crate::hosting::HandWrittenStore;
-use crate::support::{Count, Counted, TestEnv, amqp, declare, increment, wait_until};
+use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, increment, wait_until};
 
 /// Batches of up to 8 among 16 deliveries in flight.
 pub(crate) fn batching(env: &TestEnv) -> Settings {
@@ -115,7 +115,7 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
         times: 2,
         ..FailsOnce::default()
     };
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .handler(fails_twice)
         .start()
@@ -153,7 +153,7 @@ async fn a_panic_in_a_batch_costs_the_batch_a_retry_and_every_message_still_coun
         panic: true,
         ..FailsOnce::default()
     };
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .handler(panics_once)
         .start()
@@ -187,7 +187,11 @@ async fn a_duplicate_inside_a_batch_runs_once() {
     order.extend(others.iter());
     order.push(&repeated);
     prefill(&settings, &order).await;
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
 
     wait_until("all eight copies are settled", || async {
         let s = runtime.stats();
@@ -219,12 +223,16 @@ async fn duplicates_in_flight_in_batches_of_two_runtimes_run_once() {
         );
     }
     prefill(&settings, &order).await;
-    let first = Runtime::builder(settings.clone())
+    let first = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await
         .unwrap();
-    let second = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let second = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
 
     wait_until("all 600 copies are settled", || async {
         let (a, b) = (first.stats(), second.stats());
@@ -267,7 +275,11 @@ async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery()
         envelopes.push(Arc::new(envelope));
     }
     // ...runs them through the inbox as one batch, which commits...
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let outcomes = runtime
         .dedup()
         .send(DeliverBatch {
@@ -305,7 +317,7 @@ async fn a_store_with_only_the_required_methods_works_in_batches() {
         key: 2,
         ..FailsOnce::default()
     };
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .inbox_store(HandWrittenStore)
         .handler(fails_once)
         .start()
@@ -335,7 +347,11 @@ async fn a_set_based_handler_gets_whole_batches_and_a_failure_isolates_one_messa
         poison: Some(3),
         batch_sizes: Arc::clone(&batch_sizes),
     };
-    let runtime = Runtime::builder(settings).handler(handler).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
 
     // The four messages of key 3 fail alone, every attempt; the others commit.
     wait_until("the 12 others complete and key 3 is dead-lettered", || async {
@@ -367,7 +383,7 @@ async fn concurrent_batches_of_set_based_handlers_count_hot_keys_exactly() {
     settings.queues[0].concurrent_batches = 4;
     // 400 messages on 5 hot keys: every batch shares rows with the others.
     prefill_keys(&settings, (0..400).map(|i| i % 5)).await;
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(CountSetBased::default())
         .start()
         .await
@@ -412,7 +428,7 @@ async fn a_handler_that_swallows_a_failed_statement_in_a_batch_gets_nothing_acke
         key: 7,
         ..FailsOnce::default()
     };
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .handler(fails_once)
         .handler(SwallowsAnError { key: 3 })
@@ -471,7 +487,7 @@ async fn a_later_batch_acked_first_never_acks_an_earlier_unfinished_one() {
     settings.runtime.shutdown_timeout = std::time::Duration::from_millis(100);
     // Key 0 is delivered first: its batch has the lowest delivery tags.
     prefill_keys(&settings, 0..16).await;
-    let first = Runtime::builder(settings.clone())
+    let first = Runtime::builder(settings.clone().valid())
         .handler(StallsThenFails { key: 0 })
         .start()
         .await
@@ -489,7 +505,11 @@ async fn a_later_batch_acked_first_never_acks_an_earlier_unfinished_one() {
     first.shutdown().await;
     assert!(stats.batches >= 1, "{stats:?}");
 
-    let second = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let second = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     wait_until("the queue is drained", || async {
         env.ready(&env.queue).await == 0 && counts(&env, "counts").await.len() == 16
     })

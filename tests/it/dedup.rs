@@ -4,12 +4,12 @@ use inbox::lapin::options::BasicGetOptions;
 use inbox::{Envelope, Message};
 use inbox_actors::{Deliver, Outcome, Runtime};
 
-use crate::support::{Count, CountAgain, Counted, TestEnv, amqp, wait_until};
+use crate::support::{Count, CountAgain, Counted, TestEnv, Valid, amqp, wait_until};
 
 #[actix_rt::test]
 async fn a_duplicate_is_skipped_and_acked() {
     let env = TestEnv::new("duplicate_skipped").await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .start()
         .await
@@ -35,7 +35,7 @@ async fn a_duplicate_is_skipped_and_acked() {
 #[actix_rt::test]
 async fn one_event_published_ten_times_has_one_effect() {
     let env = TestEnv::new("ten_times").await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .handler(CountAgain)
         .start()
@@ -62,12 +62,12 @@ async fn one_event_published_ten_times_has_one_effect() {
 #[actix_rt::test]
 async fn two_runtimes_on_one_queue_give_one_effect_per_id() {
     let env = TestEnv::new("two_runtimes").await;
-    let first = Runtime::builder(env.settings())
+    let first = Runtime::builder(env.settings().valid())
         .handler(Count)
         .start()
         .await
         .unwrap();
-    let second = Runtime::builder(env.settings())
+    let second = Runtime::builder(env.settings().valid())
         .handler(Count)
         .start()
         .await
@@ -136,7 +136,11 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
 
     // ...processes it through the inbox as the consumer actor would, and
     // commits...
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let envelope = Envelope::decode(
         &taken.properties,
         &mut taken.data.clone(),
@@ -175,7 +179,11 @@ async fn a_copy_blocked_past_the_lock_timeout_is_redelivered_never_acked() {
     // A long way to the error queue: the message keeps coming back until
     // the other copy commits, however slow this machine is.
     settings.failure.delays = vec![std::time::Duration::from_millis(300); 20];
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let message = Message::new(Counted { key: 8 });
 
     // Another copy of the message is mid-transaction elsewhere: its inbox

@@ -8,7 +8,7 @@ use inbox::fault::headers;
 use inbox::{AmqpPublisher, EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, amqp, declare, header, increment, wait_until};
+use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, header, increment, wait_until};
 
 /// Fails while `broken` is set (or for its first `fail_first` calls), and
 /// counts every call; counts like `Count` when it succeeds.
@@ -55,7 +55,7 @@ async fn a_handler_failing_twice_then_succeeding_commits_once_within_the_immedia
         fail_first: 2,
         ..Unreliable::default()
     };
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(handler.clone())
         .start()
         .await
@@ -89,7 +89,7 @@ async fn an_always_failing_handler_ends_in_the_error_queue_after_exactly_the_con
     settings.failure.immediate_retries = 1;
     settings.failure.delays = vec![Duration::from_millis(200), Duration::from_millis(300)];
     let handler = Unreliable::broken();
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(handler.clone())
         .start()
         .await
@@ -158,7 +158,7 @@ async fn a_message_waiting_in_a_retry_tier_outlives_the_runtime_and_its_attempts
     settings.failure.immediate_retries = 0;
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_millis(300)];
     let handler = Unreliable::broken();
-    let first = Runtime::builder(settings.clone())
+    let first = Runtime::builder(settings.clone().valid())
         .handler(handler.clone())
         .start()
         .await
@@ -175,7 +175,7 @@ async fn a_message_waiting_in_a_retry_tier_outlives_the_runtime_and_its_attempts
     // The runtime goes away; the message waits in the broker alone.
     first.shutdown().await;
 
-    let second = Runtime::builder(settings)
+    let second = Runtime::builder(settings.valid())
         .handler(handler.clone())
         .start()
         .await
@@ -210,7 +210,7 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
     settings.failure.immediate_retries = 0;
     settings.failure.delays = Vec::new();
     let handler = Unreliable::broken();
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(handler.clone())
         .start()
         .await
@@ -286,7 +286,7 @@ async fn a_queue_declared_with_other_arguments_is_one_startup_error_naming_it() 
     declare(&settings).await;
     settings.queues[0].kind = inbox::QueueKind::Quorum;
 
-    let error = match Runtime::builder(settings).handler(Count).start().await {
+    let error = match Runtime::builder(settings.valid()).handler(Count).start().await {
         Ok(_) => panic!("the runtime started over a mismatched queue"),
         Err(error) => error.to_string(),
     };
@@ -396,7 +396,11 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         .await
         .unwrap();
 
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let report = inbox::amqp::replay(&connection, &env.queue, SetAside::Skipped, None)
         .await
         .unwrap();

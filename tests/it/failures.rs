@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Captured, Count, Counted, TestEnv, increment, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, wait_until};
 
 /// Counts its calls; fails (or panics) on the calls for `key` until it has
 /// been called `failures` times for it.
@@ -37,7 +37,7 @@ async fn a_failing_second_handler_rolls_back_the_first_and_the_redelivery_runs_b
         calls: Arc::clone(&calls),
         panic: false,
     };
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .handler(flaky)
         .start()
@@ -85,7 +85,7 @@ async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing
         calls: Arc::clone(&calls),
         panic: true,
     };
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .handler(flaky)
         .start()

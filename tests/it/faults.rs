@@ -4,7 +4,7 @@ use inbox::Message;
 use inbox_actors::Runtime;
 
 use crate::proxy::Proxy;
-use crate::support::{Captured, Count, Counted, TestEnv, publish_keys, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, publish_keys, wait_until};
 
 /// Points `settings` at PostgreSQL through a proxy the test can cut.
 async fn through_proxy(settings: &mut inbox::Settings) -> Proxy {
@@ -24,7 +24,11 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     let _capturing = logs.install();
     let mut settings = env.settings();
     let proxy = through_proxy(&mut settings).await;
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let publisher = runtime.publisher().clone();
     for key in 0..20 {
         publisher
@@ -85,7 +89,7 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
 #[actix_rt::test]
 async fn a_consumer_the_broker_ends_reconnects_and_consumption_resumes() {
     let env = TestEnv::new("consumer_ended").await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .start()
         .await
@@ -152,7 +156,7 @@ fn broker_closes_the_consumer_channels(queue: &str) {
 #[actix_rt::test]
 async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
     let env = TestEnv::new("channel_closed").await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .start()
         .await
@@ -200,7 +204,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     settings.queues[0].prefetch = 8;
     settings.queues[0].batch_size = 4;
     settings.failure.delays = Vec::new();
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(CountAllBut { key: 5 })
         .start()
         .await
@@ -254,7 +258,11 @@ async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing(
     let mut settings = env.settings();
     let proxy = through_proxy(&mut settings).await;
     settings.database.transaction_timeout = Duration::from_secs(2);
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     publish_keys(&runtime, &env.queue, 0..10).await;
     wait_until("the first 10 complete", || async {
         runtime.stats().completed == 10
@@ -293,7 +301,11 @@ async fn a_broker_network_that_drops_packets_holds_messages_and_loses_nothing() 
     settings.message_bus.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2", proxy.port);
     settings.message_bus.connect_timeout = Duration::from_secs(2);
     settings.message_bus.confirm_timeout = Duration::from_secs(2);
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let publish = |keys: std::ops::Range<i64>| {
         let env = &env;
         async move {

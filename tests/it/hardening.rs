@@ -12,7 +12,7 @@ use inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
 use inbox_actors::{Runtime, StatsSnapshot};
 
 use crate::batching::{batching, counts, prefill_keys};
-use crate::support::{Counted, TestEnv, header, increment, publish_keys, wait_until};
+use crate::support::{Counted, TestEnv, Valid, header, increment, publish_keys, wait_until};
 
 /// How [`FailsFor`] fails.
 #[derive(Clone, Copy)]
@@ -94,7 +94,11 @@ async fn fail_key_7(env: &TestEnv, how: How, headers: FieldTable) -> Failed {
     settings.failure.delays = vec![std::time::Duration::from_millis(100)];
     let handler = FailsFor::new(7, how);
     let calls = Arc::clone(&handler.calls);
-    let runtime = Runtime::builder(settings).handler(handler).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
     let properties = BasicProperties::default()
         .with_message_id(uuid::Uuid::now_v7().to_string().into())
         .with_type("Counted".into())
@@ -210,7 +214,11 @@ async fn a_handlers_nested_scopes_leave_a_split_batch_exactly_once() {
     let handler = CountWithOptionalPart {
         calls_for_5: AtomicUsize::new(0),
     };
-    let runtime = Runtime::builder(settings).handler(handler).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
     wait_until("all 16 complete", || async { runtime.stats().completed == 16 }).await;
     let stats = runtime.stats();
     runtime.shutdown().await;
@@ -229,7 +237,7 @@ async fn a_handlers_nested_scopes_leave_a_split_batch_exactly_once() {
 #[actix_rt::test]
 async fn a_consuming_runtime_without_handlers_refuses_to_start() {
     let env = TestEnv::new("no_handlers").await;
-    let error = match Runtime::builder(env.settings()).start().await {
+    let error = match Runtime::builder(env.settings().valid()).start().await {
         Ok(_) => panic!("a runtime without handlers started consuming"),
         Err(error) => error.to_string(),
     };

@@ -1,7 +1,7 @@
 use inbox::{InboxKey, InboxStore, Message, Provider, Result, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Captured, Count, Counted, TestEnv, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, wait_until};
 
 #[actix_rt::test]
 async fn migrations_create_the_inbox_table_with_the_inbox_off() {
@@ -11,7 +11,7 @@ async fn migrations_create_the_inbox_table_with_the_inbox_off() {
     settings.message_bus.enable_inbox = Some(false);
     // Twice: the second run finds everything in place.
     for _ in 0..2 {
-        Runtime::builder(settings.clone())
+        Runtime::builder(settings.clone().valid())
             .start()
             .await
             .unwrap()
@@ -83,7 +83,7 @@ async fn a_rabbitmq_host_with_the_inbox_off_warns_once_and_no_other_host_does() 
         let mut settings = env.settings();
         settings.message_bus.provider = provider;
         settings.message_bus.enable_inbox = enable_inbox;
-        Runtime::builder(settings)
+        Runtime::builder(settings.valid())
             .handler(Count)
             .start()
             .await
@@ -126,7 +126,7 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
     // Nothing listens there: connecting would fail the start.
     settings.message_bus.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
 
-    let runtime = Runtime::builder(settings.clone())
+    let runtime = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await
@@ -147,7 +147,7 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
     runtime.shutdown().await;
 
     settings.message_bus.enable_inbox = Some(true);
-    let runtime = Runtime::builder(settings)
+    let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .handler(RefusesNegativeKeys)
         .start()
@@ -202,7 +202,11 @@ async fn two_consumers_of_one_event_in_one_database_each_process_it_once() {
     let other_queue = env.another_queue("billing");
     let mut settings = env.settings();
     settings.queues.push(inbox::QueueSettings::new(&other_queue));
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     let message = Message::new(Counted { key: 1 });
     for _ in 0..2 {
         runtime.publisher().publish(&env.queue, &message).await.unwrap();
@@ -245,7 +249,11 @@ async fn with_the_inbox_off_a_duplicate_runs_twice() {
     let env = TestEnv::new("opt_out").await;
     let mut settings = env.settings();
     settings.message_bus.enable_inbox = Some(false);
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     assert!(
         runtime.retention().is_none(),
         "no cleanup runs with the inbox off"
@@ -305,7 +313,7 @@ impl HandWrittenStore {
 async fn a_store_with_only_the_two_required_methods_works_end_to_end() {
     let env = TestEnv::new("hand_written_store").await;
     HandWrittenStore::create_table(&env).await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .inbox_store(HandWrittenStore)
         .handler(Count)
         .start()

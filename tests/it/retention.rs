@@ -3,7 +3,7 @@ use std::time::Duration;
 use inbox::{Message, RetentionSettings};
 use inbox_actors::{Runtime, Sweep};
 
-use crate::support::{Count, Counted, TestEnv, wait_until};
+use crate::support::{Count, Counted, TestEnv, Valid, wait_until};
 
 /// Inserts `rows` inbox rows for consumer `old`, processed `days_ago`.
 async fn backdated_rows(env: &TestEnv, consumer: &str, rows: i64, days_ago: i32) {
@@ -37,7 +37,7 @@ async fn old_rows_go_and_recent_ones_stay_while_messages_are_processed() {
     let mut settings = env.settings();
     settings.retention.interval = Duration::from_millis(50);
     settings.retention.batch_size = 200;
-    let runtime = Runtime::builder(settings.clone())
+    let runtime = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await
@@ -119,12 +119,16 @@ async fn two_runtimes_on_one_database_sweep_without_errors() {
     let mut settings = env.settings();
     settings.retention.interval = Duration::from_millis(20);
     settings.retention.batch_size = 50;
-    let first = Runtime::builder(settings.clone())
+    let first = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await
         .unwrap();
-    let second = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let second = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     backdated_rows(&env, "expired", 20_000, 8).await;
     // A sweep reports its rows when it ends, after its last batch has
     // committed: wait for the reports, not for the table.
@@ -148,7 +152,11 @@ async fn a_backlog_of_200000_due_rows_goes_in_bounded_batches() {
     let env = TestEnv::new("retention_backlog").await;
     let mut settings = env.settings();
     settings.retention.interval = Duration::from_secs(3600); // only the sweep asked for below
-    let runtime = Runtime::builder(settings).handler(Count).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
     backdated_rows(&env, "expired", 200_000, 30).await;
     backdated_rows(&env, "recent", 1000, 1).await;
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Count, Counted, TestEnv, increment, publish_keys, wait_until};
+use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
 /// Counts after a pause, and says when the first call began.
 struct Slow {
@@ -31,7 +31,11 @@ async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
         started: Arc::clone(&started),
         pause: Duration::from_millis(300),
     };
-    let runtime = Runtime::builder(settings).handler(slow).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(slow)
+        .start()
+        .await
+        .unwrap();
     publish_keys(&runtime, &env.queue, 0..5).await;
     wait_until("the first message is in its handler", || async {
         started.load(Ordering::SeqCst)
@@ -60,7 +64,7 @@ async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost
         started: Arc::clone(&started),
         pause: Duration::from_secs(3),
     };
-    let runtime = Runtime::builder(settings.clone())
+    let runtime = Runtime::builder(settings.clone().valid())
         .handler(slow)
         .start()
         .await
@@ -83,7 +87,11 @@ async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost
         started: Arc::new(AtomicBool::new(false)),
         pause: Duration::ZERO,
     };
-    let runtime = Runtime::builder(settings).handler(slow).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(slow)
+        .start()
+        .await
+        .unwrap();
     wait_until("the redelivery is settled", || async {
         let s = runtime.stats();
         s.completed + s.duplicates == 1
@@ -97,7 +105,7 @@ async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost
 #[actix_rt::test]
 async fn build_declares_without_consuming_and_run_until_consumes_until_its_future_resolves() {
     let env = TestEnv::new("lifecycle").await;
-    let runtime = Runtime::builder(env.settings())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
         .build()
         .await

@@ -9,7 +9,7 @@ use inbox::lapin::types::FieldTable;
 use inbox::{AmqpPublisher, Message, Settings};
 use inbox_actors::Runtime;
 
-use crate::support::{Captured, Count, Counted, TestEnv, amqp, declare, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, amqp, declare, wait_until};
 
 /// A port on loopback where nothing listens.
 fn closed_port() -> u16 {
@@ -18,7 +18,7 @@ fn closed_port() -> u16 {
 }
 
 async fn start_error(settings: Settings) -> String {
-    match Runtime::builder(settings).handler(Count).start().await {
+    match Runtime::builder(settings.valid()).handler(Count).start().await {
         Ok(_) => panic!("the runtime started"),
         Err(e) => e.to_string(),
     }
@@ -126,7 +126,7 @@ async fn a_broker_runtime_that_consumes_nothing_says_so() {
     let _capturing = logs.install();
     let mut settings = env.settings();
     settings.queues.clear();
-    let runtime = Runtime::builder(settings).start().await.unwrap();
+    let runtime = Runtime::builder(settings.valid()).start().await.unwrap();
     runtime.shutdown().await;
     assert!(logs.text().contains("no queue to consume"), "{}", logs.text());
 }
@@ -137,7 +137,7 @@ async fn the_exchange_is_declared_at_start_and_one_of_another_type_is_an_error_n
     let mut settings = env.settings();
     let exchange = format!("{}.events", env.queue);
     settings.message_bus.exchange = exchange.clone();
-    let runtime = Runtime::builder(settings.clone())
+    let runtime = Runtime::builder(settings.clone().valid())
         .handler(Count)
         .start()
         .await

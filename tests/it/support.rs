@@ -11,7 +11,9 @@ use inbox::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOp
 use inbox::lapin::types::FieldTable;
 use inbox::lapin::{BasicProperties, Connection, ConnectionProperties};
 use inbox::tokio_postgres::{Client, NoTls};
-use inbox::{EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork};
+use inbox::{
+    EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
+};
 use serde::{Deserialize, Serialize};
 
 /// The test event: each one adds 1 to `counts` (and `second_counts`) at `key`.
@@ -108,7 +110,9 @@ impl TestEnv {
     /// `config/test.toml` pointed at this test's database and queue.
     pub(crate) fn settings(&self) -> Settings {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
-        let mut settings = Settings::load_environment(&dir, "test").expect("config/test.toml");
+        let mut settings = Settings::load_environment(&dir, "test")
+            .expect("config/test.toml")
+            .into_inner();
         settings.database.url = database_url();
         settings.database.name = Some(self.database.clone());
         settings.message_bus.amqp_url = amqp_url();
@@ -267,6 +271,17 @@ pub(crate) fn header(delivery: &Delivery, key: &str) -> Option<String> {
         AMQPValue::LongLongInt(n) => n.to_string(),
         other => format!("{other:?}"),
     })
+}
+
+/// Settings validated, as the runtime takes them.
+pub(crate) trait Valid {
+    fn valid(self) -> ValidSettings;
+}
+
+impl Valid for Settings {
+    fn valid(self) -> ValidSettings {
+        self.validate().expect("the test's settings are valid")
+    }
 }
 
 /// Publishes one new message per key, in order, through the runtime.
