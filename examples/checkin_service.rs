@@ -3,7 +3,13 @@
 //!
 //! ```text
 //! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
+//! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
+//!
+//! It uses the database `checkin` (created if missing) unless
+//! `DATABASE_URL` or the settings name another. `--remove` drops that
+//! database and deletes the queue and the queues kept beside it, then
+//! exits: what the quickstart created, gone.
 //!
 //! With `--batch-size N` above 1 the queue runs batches of up to N
 //! deliveries (`queues[].batch_size`), which the handlers write with one
@@ -47,6 +53,12 @@ async fn main() -> std::process::ExitCode {
 
 async fn run() -> inbox::Result<()> {
     let mut settings = common::settings()?;
+    if std::env::args().any(|a| a == "--remove") {
+        return remove(&settings).await;
+    }
+    if let Some(name) = settings.database.name.clone() {
+        common::create_database(&settings, &name).await?;
+    }
     if common::arg("--batch-size").is_some() {
         let size = common::parsed_arg("--batch-size", 1u16);
         settings = settings.with(|settings| {
@@ -110,4 +122,30 @@ impl EventHandler<AttendeeCheckedIn> for AbortOn {
         }
         Ok(())
     }
+}
+
+/// Drops the service's database and deletes its queues (`--remove`).
+async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
+    let connection = inbox::amqp::connect(settings, "checkin_service --remove").await?;
+    let channel = connection.create_channel().await?;
+    for queue in &settings.queues {
+        let q = queue.name.as_str();
+        let kept = (1..=settings.failure.delays.len()).map(|tier| inbox::amqp::retry_queue(q, tier));
+        for name in kept.chain([
+            inbox::amqp::error_queue(q),
+            inbox::amqp::skipped_queue(q),
+            q.to_owned(),
+        ]) {
+            let deleted = channel
+                .queue_delete(name.as_str().into(), Default::default())
+                .await?;
+            println!("deleted queue {name} ({deleted} messages)");
+        }
+    }
+    connection.close(200, "removed".into()).await?;
+    if let Some(name) = &settings.database.name {
+        common::drop_database(settings, name).await?;
+        println!("dropped database {name}");
+    }
+    Ok(())
 }

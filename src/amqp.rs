@@ -196,7 +196,7 @@ async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Resul
             queue: queue.to_owned(),
             reason: format!(
                 "{e} (a queue that exists with other arguments must be re-declared, or the settings changed to \
-                 match it: README, \"Upgrading queues\")"
+                 match it: docs/operations.md, \"Upgrading queues\")"
             ),
         })?;
     Ok(())

@@ -1,10 +1,8 @@
-//! `inbox`: exactly-once effects for RabbitMQ integration events on the
-//! consuming service's own PostgreSQL database.
+#![doc = include_str!("../README.md")]
 //!
-//! RabbitMQ delivers at least once. The inbox records every processed
-//! message's id in `inbox_messages` in the same transaction as the handlers'
-//! writes, so a redelivery finds the row and is skipped. This crate holds the
-//! pieces; `inbox-actors` runs them as actix actors.
+//! ## The parts of this crate
+//!
+//! This crate holds the pieces; `inbox-actors` runs them as actix actors.
 //!
 //! - [`Settings`]: layered configuration, validated, with
 //!   [`is_inbox_enabled`](Settings::is_inbox_enabled).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fault suite (README: "Guarantees under failure"): runs the check-in
+# The fault suite (docs/guarantees.md, "Under failure"): runs the check-in
 # service while SIGKILLing it, force-closing its AMQP connection and
 # restarting PostgreSQL and RabbitMQ, then checks that nothing was lost or
 # applied twice. It restarts this machine's PostgreSQL and RabbitMQ: run it

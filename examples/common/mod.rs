@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 /// The queue the check-in service consumes unless `--queue` says otherwise.
 pub(crate) const DEFAULT_QUEUE: &str = "checkin.attendee-checked-in";
 
+/// The database the check-in service uses unless `DATABASE_URL` or the
+/// settings name one.
+pub(crate) const DEFAULT_DATABASE: &str = "checkin";
+
 /// An attendee checked in to a session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct AttendeeCheckedIn {
@@ -139,16 +143,43 @@ impl XorShift {
 
 /// Drops and creates database `name` on the server `settings` point at.
 pub(crate) async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+    drop_database(settings, name).await?;
+    create_database(settings, name).await
+}
+
+/// Creates database `name` on the server `settings` point at, unless it
+/// exists.
+pub(crate) async fn create_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+    let client = admin(settings).await?;
+    let exists = client
+        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
+        .await?
+        .is_some();
+    if !exists {
+        // Not in a transaction block: a statement of its own.
+        client
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await?;
+    }
+    Ok(())
+}
+
+/// Drops database `name` on the server `settings` point at, if it exists.
+pub(crate) async fn drop_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+    let client = admin(settings).await?;
+    client
+        .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+        .await?;
+    Ok(())
+}
+
+/// A connection to the database `database.url` names, whatever
+/// `database.name` says.
+async fn admin(settings: &Settings) -> inbox::Result<inbox::deadpool_postgres::Object> {
     let mut admin = settings.clone();
     admin.database.name = None;
     let pool = inbox::create_pool(&admin)?;
-    let client = pool.get().await?;
-    // Two statements: neither runs inside a transaction block.
-    client
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .await?;
-    client.batch_execute(&format!("CREATE DATABASE {name}")).await?;
-    Ok(())
+    inbox::wait_for_database(&pool, &admin).await
 }
 
 /// The value after `--name` on the command line.
@@ -170,10 +201,14 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 }
 
 /// `config/` (with `INBOX_ENV`) and `INBOX__…`, then `DATABASE_URL` and
-/// `AMQP_URL`, then `--queue`: the queue to consume (default
+/// `AMQP_URL` (else the database [`DEFAULT_DATABASE`] on the configured
+/// server), then `--queue`: the queue to consume (default
 /// [`DEFAULT_QUEUE`] when the settings list none).
 pub(crate) fn settings() -> inbox::Result<ValidSettings> {
     Settings::load()?.with(|settings| {
+        if settings.database.name.is_none() && std::env::var_os("DATABASE_URL").is_none() {
+            settings.database.name = Some(DEFAULT_DATABASE.into());
+        }
         settings.apply_conventional_urls();
         if let Some(queue) = arg("--queue") {
             settings.queues = vec![QueueSettings::new(queue)];
