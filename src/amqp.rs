@@ -43,7 +43,7 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
     let endpoint = settings.broker_endpoint();
     let timeout = settings.message_bus.connect_timeout;
     let started = std::time::Instant::now();
-    let mut pause = FIRST_CONNECT_PAUSE;
+    let mut backoff = crate::Backoff::new(FIRST_CONNECT_PAUSE, MAX_CONNECT_PAUSE);
     loop {
         let left = timeout.saturating_sub(started.elapsed());
         let properties = ConnectionProperties::default()
@@ -76,9 +76,9 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
                 cause,
             });
         }
+        let pause = backoff.next_pause().min(remaining);
         tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying again in {pause:?}");
-        tokio::time::sleep(pause.min(remaining)).await;
-        pause = (pause * 2).min(MAX_CONNECT_PAUSE);
+        tokio::time::sleep(pause).await;
     }
 }
 

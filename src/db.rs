@@ -42,7 +42,7 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
     let endpoint = settings.database_endpoint();
     let timeout = settings.database.connect_timeout;
     let started = Instant::now();
-    let mut pause = crate::amqp::FIRST_CONNECT_PAUSE;
+    let mut backoff = crate::Backoff::new(crate::amqp::FIRST_CONNECT_PAUSE, crate::amqp::MAX_CONNECT_PAUSE);
     loop {
         let error = match pool.get().await {
             Ok(connection) => return Ok(connection),
@@ -62,8 +62,8 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
                 cause,
             });
         }
+        let pause = backoff.next_pause().min(remaining);
         tracing::warn!(database = %endpoint, %cause, "cannot connect to the database; trying again in {pause:?}");
-        tokio::time::sleep(pause.min(remaining)).await;
-        pause = (pause * 2).min(crate::amqp::MAX_CONNECT_PAUSE);
+        tokio::time::sleep(pause).await;
     }
 }

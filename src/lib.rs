@@ -31,6 +31,7 @@
 //!   any error's source chain (for logs, and to tell an outage from a
 //!   failure).
 
+mod backoff;
 mod db;
 mod envelope;
 mod error;
@@ -48,6 +49,7 @@ mod unit_of_work;
 pub mod amqp;
 
 pub use amqp::AmqpPublisher;
+pub use backoff::Backoff;
 pub use db::{create_pool, wait_for_database};
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
 pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};

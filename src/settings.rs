@@ -338,7 +338,7 @@ pub enum Destination {
 impl FailureSettings {
     /// The pause before immediate retry number `retry` (from 0).
     pub fn backoff(&self, retry: u32) -> Duration {
-        self.immediate_backoff.saturating_mul(1 << retry.min(16))
+        crate::Backoff::nth(self.immediate_backoff, retry.min(16), Duration::MAX)
     }
 
     /// Where a message goes after failing, given how many delayed

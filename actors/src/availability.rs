@@ -10,8 +10,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inbox::Settings;
 use inbox::deadpool_postgres::{Object, Pool};
+use inbox::{Backoff, Settings};
 use tokio::sync::Mutex;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].
@@ -63,13 +63,12 @@ impl DatabaseGate {
             tracing::warn!(database = %self.endpoint, %reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
         }
         let started = Instant::now();
-        let mut pause = FIRST_PAUSE;
+        let mut backoff = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
         loop {
-            tokio::time::sleep(pause).await;
+            tokio::time::sleep(backoff.next_pause()).await;
             if self.probe().await {
                 break;
             }
-            pause = (pause * 2).min(MAX_PAUSE);
         }
         if self.down.swap(false, Ordering::SeqCst) {
             tracing::warn!(after = ?started.elapsed(), "database available again: resuming");

@@ -44,16 +44,16 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use futures_util::future::ready;
 use futures_util::stream::{self, Stream, StreamExt};
-use inbox::amqp;
 use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use inbox::lapin::types::{FieldTable, ShortString};
+use inbox::lapin::options::BasicCancelOptions;
+use inbox::lapin::types::ShortString;
 use inbox::lapin::{Channel, Connection, Consumer};
-use inbox::{AmqpPublisher, QueueSettings, Settings};
+use inbox::{QueueSettings, Settings};
 use tokio::sync::oneshot;
 
 use crate::availability::DatabaseGate;
 use crate::dedup::DedupActor;
+use crate::link::Link;
 use crate::settle::{Pending, Settler};
 use crate::stats::Stats;
 
@@ -109,49 +109,6 @@ struct Batching {
     flush_scheduled: bool,
 }
 
-/// A queue's link to the broker: a connection of its own, the consuming
-/// channel and its stream, and a confirming channel for moving messages to
-/// the retry tiers, `Q.error` and `Q.skipped`.
-pub(crate) struct Link {
-    connection: Arc<Connection>,
-    channel: Channel,
-    stream: Consumer,
-    forwarder: AmqpPublisher,
-}
-
-impl Link {
-    /// Connects, declares the queue's topology, sets its prefetch and starts
-    /// consuming.
-    pub(crate) async fn open(settings: &Settings, queue: &QueueSettings) -> inbox::Result<Self> {
-        let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
-        let channel = connection.create_channel().await?;
-        amqp::declare_topology(&channel, queue, &settings.failure).await?;
-        channel
-            .basic_qos(queue.prefetch, BasicQosOptions { global: false })
-            .await?;
-        let stream = channel
-            .basic_consume(
-                queue.name.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let forwarder = AmqpPublisher::new(&connection, "")
-            .await?
-            .with_confirm_timeout(settings.message_bus.confirm_timeout);
-        Ok(Self {
-            connection,
-            channel,
-            stream,
-            forwarder,
-        })
-    }
-}
-
-/// The first pause before reconnecting; doubled up to [`MAX_RECONNECT_PAUSE`].
-const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(100);
-const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(30);
 /// How long after a consumer stream error to look whether lapin is
 /// recovering the channel, or the broker closed it for good.
 const CHANNEL_CHECK_PAUSE: Duration = Duration::from_secs(1);
@@ -414,22 +371,7 @@ impl ConsumerActor {
             self.message_done(ctx);
         }
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
-        let opening = async move {
-            // Bounded: a connection whose packets vanish never answers.
-            let closing = old.close(320, "reconnecting".into());
-            let _ = tokio::time::timeout(settings.message_bus.connect_timeout, closing).await;
-            let mut pause = FIRST_RECONNECT_PAUSE;
-            loop {
-                match Link::open(&settings, &queue).await {
-                    Ok(link) => return link,
-                    Err(e) => {
-                        tracing::warn!(queue = %queue.name, error = %e, "reconnecting failed; trying again in {pause:?}");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(MAX_RECONNECT_PAUSE);
-                    }
-                }
-            }
-        };
+        let opening = async move { Link::reopen(&settings, &queue, &old).await };
         ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
             actor.reconnecting = false;
             if actor.draining {

@@ -19,7 +19,7 @@
 //! by an outage; a failed handler whose rollback finds the connection gone
 //! is reported the same way. A handler's error alone never is.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -207,28 +207,15 @@ async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<
 }
 
 /// What processing needs, taken from the actor.
-struct Work {
-    pool: Pool,
-    store: Arc<dyn DynInboxStore>,
-    routes: Arc<Routes>,
-    stats: Arc<Stats>,
-}
-
-/// How the attempt on a whole batch ended.
-enum WholeBatch {
-    /// Every handler succeeded on the whole batch, and every message is
-    /// recorded: ready to commit.
-    Done(UnitOfWork),
-    /// Something failed and the transaction can go on: roll back to the
-    /// savepoint and run the messages one at a time.
-    Failed(UnitOfWork),
-    /// The transaction is lost (a handler panicked, its actor vanished):
-    /// every message starts over.
-    Lost(Abandoned),
+pub(crate) struct Work {
+    pub(crate) pool: Pool,
+    pub(crate) store: Arc<dyn DynInboxStore>,
+    pub(crate) routes: Arc<Routes>,
+    pub(crate) stats: Arc<Stats>,
 }
 
 impl Work {
-    async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
+    pub(crate) async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
         let connection = self
             .pool
             .get()
@@ -295,253 +282,9 @@ impl Work {
             Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerActor, e)),
         }
     }
-
-    async fn process_batch(
-        self,
-        DeliverBatch {
-            consumer, envelopes, ..
-        }: DeliverBatch,
-        lane: &Semaphore,
-    ) -> Vec<Outcome> {
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
-        // The messages to claim: one per id, with a handler. A second copy of
-        // an id in the batch is a duplicate whatever becomes of the first:
-        // that one is committed, or alive on its failure path.
-        let mut seen = HashSet::new();
-        let mut members = Vec::new();
-        for (i, envelope) in envelopes.iter().enumerate() {
-            if !self.routes.contains_key(&envelope.event_type) {
-                outcomes[i] = Some(Outcome::NoHandler {
-                    event_type: envelope.event_type.clone(),
-                });
-            } else if seen.insert(envelope.message_id) {
-                members.push(i);
-            } else {
-                outcomes[i] = Some(Outcome::Duplicate);
-            }
-        }
-        let keys: Vec<InboxKey> = members.iter().map(|&i| key(&consumer, &envelopes[i])).collect();
-
-        if !members.is_empty() {
-            match self
-                .run_batch(&envelopes, &members, &keys, &mut outcomes, lane)
-                .await
-            {
-                Ok(uow) => {
-                    if let Err(e) = uow.commit().await {
-                        // Nothing committed: every message that was to
-                        // complete goes back on its failure path.
-                        for &i in &members {
-                            if outcomes[i] == Some(Outcome::Completed) {
-                                outcomes[i] =
-                                    Some(Outcome::Abandoned(Abandoned::database(Stage::Commit, &e)));
-                            }
-                        }
-                    }
-                }
-                // Nothing of the batch committed: every member without an
-                // outcome of its own, or that was to complete, starts over.
-                Err(abandoned) => {
-                    for &i in &members {
-                        if matches!(outcomes[i], None | Some(Outcome::Completed)) {
-                            outcomes[i] = Some(Outcome::Abandoned(abandoned.clone()));
-                        }
-                    }
-                }
-            }
-        }
-        outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or_else(|| Outcome::Abandoned(Abandoned::new(Stage::Runtime, "no outcome"))))
-            .collect()
-    }
-
-    /// Claims the members and runs their handlers: on the whole batch
-    /// first, then, if that fails, on each message after a savepoint of its
-    /// own. Writes the members' outcomes (`Completed` meaning "completed if
-    /// the commit succeeds"). Returns the unit of work to commit, or why the
-    /// whole batch failed (every undecided or would-be-completed member is
-    /// abandoned then).
-    async fn run_batch(
-        &self,
-        envelopes: &[Arc<Envelope>],
-        members: &[usize],
-        keys: &[InboxKey],
-        outcomes: &mut [Option<Outcome>],
-        lane: &Semaphore,
-    ) -> Result<UnitOfWork, Abandoned> {
-        let mut uow = self.begin().await?;
-        let claims = match self.store.try_begin_batch(&mut uow, keys).await {
-            Ok(claims) => claims,
-            Err(e) => {
-                let _ = roll_back(uow).await;
-                return Err(Abandoned::database(Stage::InboxClaim, &e));
-            }
-        };
-        // Held while the handlers run, released before the commit. The
-        // claim may run outside: it locks only inbox rows, which no handler
-        // waits for.
-        let _running = lane
-            .acquire()
-            .await
-            .map_err(|e| Abandoned::new(Stage::BatchLane, e))?;
-        // Positions in `members` and `keys` of the messages to process.
-        let mut claimed = Vec::with_capacity(members.len());
-        for (position, claim) in claims.into_iter().enumerate() {
-            match claim {
-                Claim::Proceed => claimed.push(position),
-                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
-            }
-        }
-        if claimed.is_empty() {
-            return Ok(uow);
-        }
-
-        let uow = uow
-            .savepoint()
-            .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-        let mut uow = match self
-            .run_whole_batch(envelopes, members, keys, &claimed, uow)
-            .await
-        {
-            WholeBatch::Done(uow) => {
-                for &position in &claimed {
-                    outcomes[members[position]] = Some(Outcome::Completed);
-                }
-                return Ok(uow);
-            }
-            WholeBatch::Failed(failed) => {
-                self.stats.add(Counter::BatchesSplit);
-                failed
-                    .rollback_to_savepoint()
-                    .await
-                    .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?
-            }
-            WholeBatch::Lost(abandoned) => return Err(abandoned),
-        };
-
-        for &position in &claimed {
-            let (i, key) = (members[position], &keys[position]);
-            let envelope = Arc::clone(&envelopes[i]);
-            let route = self.route(&envelope.event_type)?;
-            let saved = uow
-                .savepoint()
-                .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-            let failure = match route.one.send(Handle { envelope, uow: saved }).await {
-                Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
-                    Ok(()) => {
-                        outcomes[i] = Some(Outcome::Completed);
-                        uow = done;
-                        continue;
-                    }
-                    Err(e) => {
-                        uow = done;
-                        Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e))
-                    }
-                },
-                Ok(Handled::Failed {
-                    uow: Some(failed),
-                    failure,
-                }) => {
-                    uow = failed;
-                    failure.into()
-                }
-                // A panic (or a vanished actor) took the connection with it:
-                // this message has its failure, the others start over.
-                Ok(Handled::Failed { uow: None, failure }) => {
-                    outcomes[i] = Some(failure.into());
-                    return Err(Abandoned::new(
-                        Stage::Batch,
-                        "another message of the batch panicked",
-                    ));
-                }
-                Err(e) => return Err(Abandoned::new(Stage::HandlerActor, e)),
-            };
-            // This message alone is undone; the batch goes on.
-            uow = uow
-                .rollback_to_savepoint()
-                .await
-                .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?;
-            if let Err(e) = self.store.abandon(&mut uow, key).await {
-                return Err(Abandoned::database(Stage::InboxAbandon, &e));
-            }
-            outcomes[i] = Some(failure);
-        }
-        Ok(uow)
-    }
-
-    /// Runs the handlers on the claimed messages all at once, one
-    /// [`HandleBatch`] per event type in order of first appearance, then
-    /// records every message.
-    async fn run_whole_batch(
-        &self,
-        envelopes: &[Arc<Envelope>],
-        members: &[usize],
-        keys: &[InboxKey],
-        claimed: &[usize],
-        mut uow: UnitOfWork,
-    ) -> WholeBatch {
-        let mut by_type: Vec<(&str, Vec<Arc<Envelope>>)> = Vec::new();
-        for &position in claimed {
-            let envelope = &envelopes[members[position]];
-            match by_type.iter_mut().find(|(t, _)| *t == envelope.event_type) {
-                Some((_, group)) => group.push(Arc::clone(envelope)),
-                None => by_type.push((&envelope.event_type, vec![Arc::clone(envelope)])),
-            }
-        }
-        for (event_type, group) in by_type {
-            let route = match self.route(event_type) {
-                Ok(route) => route,
-                Err(abandoned) => return WholeBatch::Lost(abandoned),
-            };
-            let size = group.len();
-            match route
-                .batch
-                .send(HandleBatch {
-                    envelopes: group,
-                    uow,
-                })
-                .await
-            {
-                Ok(Handled::Done(done)) => uow = done,
-                Ok(Handled::Failed {
-                    uow: Some(failed),
-                    failure,
-                }) => {
-                    tracing::debug!(
-                        size,
-                        ?failure,
-                        "the handlers failed on the batch; running its messages one at a time"
-                    );
-                    return WholeBatch::Failed(failed);
-                }
-                // A panic took the connection with it, and which message
-                // caused it is unknown: each starts over on its own.
-                Ok(Handled::Failed { uow: None, failure }) => {
-                    let reason = format!("a handler panicked on the batch: {failure:?}");
-                    return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
-                }
-                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerActor, e)),
-            }
-        }
-        for &position in claimed {
-            if let Err(e) = self.store.complete(&mut uow, &keys[position]).await {
-                tracing::debug!(error = %e, "recording the batch failed; running its messages one at a time");
-                return WholeBatch::Failed(uow);
-            }
-        }
-        WholeBatch::Done(uow)
-    }
-
-    /// The route of a type that had one when the batch was sorted.
-    fn route(&self, event_type: &str) -> Result<&Route, Abandoned> {
-        self.routes
-            .get(event_type)
-            .ok_or_else(|| Abandoned::new(Stage::Runtime, "route vanished"))
-    }
 }
 
-fn key(consumer: &str, envelope: &Envelope) -> InboxKey {
+pub(crate) fn key(consumer: &str, envelope: &Envelope) -> InboxKey {
     InboxKey {
         consumer: consumer.to_owned(),
         message_id: envelope.message_id,
@@ -574,7 +317,7 @@ impl From<HandlerFailure> for Outcome {
 /// Rolls back; a failure there already discarded the connection, which is
 /// all a rollback could do more, so it is only logged, and returned
 /// classified (a lost connection is an outage).
-async fn roll_back(uow: UnitOfWork) -> Result<(), Abandoned> {
+pub(crate) async fn roll_back(uow: UnitOfWork) -> Result<(), Abandoned> {
     uow.rollback().await.map_err(|e| {
         tracing::warn!(error = %e, "rollback failed; the connection was discarded");
         Abandoned::database(Stage::Rollback, &e)

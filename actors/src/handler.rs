@@ -7,6 +7,13 @@
 //! several messages of a batch at once. A handler that panics fails its
 //! message (never the actor's other work) and the actor restarts itself
 //! through its [`Supervisor`](actix::Supervisor), via [`Restart`].
+//!
+//! What a restart resets: every handler registered with a factory
+//! (`RuntimeBuilder::handler_factory`) is built anew, so that whatever a
+//! panic may have left half-changed in it (a client, a cache) starts fresh.
+//! A handler registered as a value (`RuntimeBuilder::handler`) is shared,
+//! and goes on as it was. Messages in flight on the old handlers finish
+//! on them.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -89,17 +96,34 @@ pub(crate) enum HandlerFailure {
 #[rtype(result = "()")]
 pub(crate) struct Restart;
 
+/// A handler as registered: a value, or a factory that builds one.
+pub(crate) enum HandlerSource<E> {
+    /// Shared by every incarnation of the actor.
+    Value(Arc<dyn DynEventHandler<E>>),
+    /// Called again at each restart.
+    Factory(Arc<dyn Fn() -> Arc<dyn DynEventHandler<E>> + Send + Sync>),
+}
+
+impl<E> HandlerSource<E> {
+    fn build(&self) -> Arc<dyn DynEventHandler<E>> {
+        match self {
+            HandlerSource::Value(handler) => Arc::clone(handler),
+            HandlerSource::Factory(factory) => factory(),
+        }
+    }
+}
+
 /// Runs the handlers registered for `E`.
 pub(crate) struct HandlerActor<E: IntegrationEvent> {
+    sources: Vec<HandlerSource<E>>,
     handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
 }
 
 impl<E: IntegrationEvent> HandlerActor<E> {
-    /// An actor over `handlers`, which run in this order.
-    pub(crate) fn new(handlers: Vec<Arc<dyn DynEventHandler<E>>>) -> Self {
-        Self {
-            handlers: handlers.into(),
-        }
+    /// An actor over the handlers of `sources`, which run in this order.
+    pub(crate) fn new(sources: Vec<HandlerSource<E>>) -> Self {
+        let handlers = sources.iter().map(HandlerSource::build).collect();
+        Self { sources, handlers }
     }
 }
 
@@ -109,9 +133,10 @@ impl<E: IntegrationEvent> Actor for HandlerActor<E> {
 
 impl<E: IntegrationEvent> Supervised for HandlerActor<E> {
     fn restarting(&mut self, _ctx: &mut Context<Self>) {
+        self.handlers = self.sources.iter().map(HandlerSource::build).collect();
         tracing::warn!(
             r#type = E::TYPE,
-            "handler actor restarted after a handler panicked"
+            "handler actor restarted after a handler panicked; handlers from factories are built anew"
         );
     }
 }

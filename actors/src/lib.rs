@@ -24,19 +24,24 @@
 //!   [`Outcome`]. Send it [`Deliver`] to feed the inbox from a source of
 //!   your own.
 //! - `HandlerActor<E>` (`handler.rs`): the handlers of one event type; a
-//!   panic fails the message, and the actor restarts (`Restart`).
+//!   panic fails the message, and the actor restarts (`Restart`), building
+//!   anew the handlers registered with
+//!   [`handler_factory`](RuntimeBuilder::handler_factory).
 //! - [`RetentionActor`] (`retention.rs`): deletes inbox rows past
 //!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
 //!
-//! Beside them: `acks.rs` (the window of unsettled deliveries),
-//! `availability.rs` (the gate that waits out a database outage),
-//! `publisher.rs`, `stats.rs`, `runtime.rs`.
+//! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
+//! queue's connection, and reconnecting it), `acks.rs` (the window of
+//! unsettled deliveries), `availability.rs` (the gate that waits out a
+//! database outage), `publisher.rs`, `stats.rs`, `runtime.rs`.
 
 mod acks;
 mod availability;
+mod batch;
 mod consumer;
 mod dedup;
 mod handler;
+mod link;
 mod publisher;
 mod retention;
 mod runtime;

@@ -15,9 +15,10 @@ use inbox::{
 };
 
 use crate::availability::DatabaseGate;
-use crate::consumer::{ConsumerActor, Disconnect, Drain, Link};
+use crate::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::dedup::{DedupActor, Route, Routes};
-use crate::handler::HandlerActor;
+use crate::handler::{HandlerActor, HandlerSource};
+use crate::link::Link;
 use crate::publisher::Publisher;
 use crate::retention::{RetentionActor, StopSweeping};
 use crate::stats::{Stats, StatsSnapshot};
@@ -35,18 +36,36 @@ pub struct RuntimeBuilder {
 
 impl RuntimeBuilder {
     /// Registers `handler` for its event type `E`. Handlers of one type run
-    /// in registration order, in one transaction.
-    pub fn handler<E, H>(mut self, handler: H) -> Self
+    /// in registration order, in one transaction. It is shared: it lives as
+    /// long as the runtime, restarts of its actor included.
+    pub fn handler<E, H>(self, handler: H) -> Self
     where
         E: IntegrationEvent,
         H: EventHandler<E>,
     {
+        self.register(HandlerSource::Value(Arc::new(handler)))
+    }
+
+    /// Registers a handler for `E` that `factory` builds, now and again
+    /// each time its actor restarts after a handler panicked: a client or a
+    /// cache it holds starts fresh instead of carrying on from a panic.
+    pub fn handler_factory<E, H, F>(self, factory: F) -> Self
+    where
+        E: IntegrationEvent,
+        H: EventHandler<E>,
+        F: Fn() -> H + Send + Sync + 'static,
+    {
+        let build = move || -> Arc<dyn DynEventHandler<E>> { Arc::new(factory()) };
+        self.register(HandlerSource::Factory(Arc::new(build)))
+    }
+
+    fn register<E: IntegrationEvent>(mut self, source: HandlerSource<E>) -> Self {
         let route = self
             .routes
             .entry(E::TYPE)
             .or_insert_with(|| Box::new(HandlerSet::<E>(Vec::new())));
         match route.as_any().downcast_mut::<HandlerSet<E>>() {
-            Some(set) => set.0.push(Arc::new(handler)),
+            Some(set) => set.0.push(source),
             None => {
                 self.error.get_or_insert(Error::Runtime(format!(
                     "two event types share the type name `{}`: {} and another",
@@ -424,7 +443,7 @@ trait Registered {
     fn start(self: Box<Self>) -> Route;
 }
 
-struct HandlerSet<E>(Vec<Arc<dyn DynEventHandler<E>>>);
+struct HandlerSet<E>(Vec<HandlerSource<E>>);
 
 impl<E: IntegrationEvent> Registered for HandlerSet<E> {
     fn as_any(&mut self) -> &mut dyn Any {

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
 /// Counts its calls; fails (or panics) on the calls for `key` until it has
 /// been called `failures` times for it.
@@ -116,4 +116,48 @@ async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing
         );
     }
     assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+/// Panics on its first message for key 0, and counts like `Count`
+/// otherwise; says how many instances were built.
+struct FreshAfterPanic {
+    panicked: Arc<AtomicUsize>,
+}
+
+impl EventHandler<Counted> for FreshAfterPanic {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == 0 && self.panicked.fetch_add(1, Ordering::SeqCst) == 0 {
+            panic!("panics once, on purpose");
+        }
+        increment(uow, "counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_restart_builds_the_handlers_of_a_factory_anew() {
+    let env = TestEnv::new("handler_factory").await;
+    let (built, panicked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let factory = {
+        let (built, panicked) = (Arc::clone(&built), Arc::clone(&panicked));
+        move || {
+            built.fetch_add(1, Ordering::SeqCst);
+            FreshAfterPanic {
+                panicked: Arc::clone(&panicked),
+            }
+        }
+    };
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler_factory(factory)
+        .start()
+        .await
+        .unwrap();
+    assert_eq!(built.load(Ordering::SeqCst), 1, "built once at start");
+    publish_keys(&runtime, &env.queue, 0..5).await;
+    wait_until("all 5 complete", || async { runtime.stats().completed == 5 }).await;
+    runtime.shutdown().await;
+    assert_eq!(panicked.load(Ordering::SeqCst), 2, "key 0 ran twice");
+    assert_eq!(built.load(Ordering::SeqCst), 2, "the restart built a new one");
+    for key in 0..5 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
 }
