@@ -185,8 +185,28 @@ impl Settler {
             ?rejected,
             "malformed delivery; moving it to the error queue"
         );
-        if let Action::Move { to, failure } = inbox::decide(rejected, &history, &self.failure) {
-            self.move_to(to, failure, &delivery, ticket, &delivery.data).await;
+        match inbox::decide(rejected, &history, &self.failure) {
+            Action::Move { to, failure } => {
+                self.move_to(to, failure, &delivery, ticket, &delivery.data).await;
+            }
+            // The policy moves every rejected outcome (its table says so).
+            // Were it ever otherwise, the broker dead-letters the delivery
+            // to Q.error rather than leave it unsettled.
+            other => {
+                tracing::error!(
+                    ?other,
+                    "no move for a malformed delivery; rejecting it to the error queue"
+                );
+                let options = BasicNackOptions {
+                    requeue: false,
+                    ..BasicNackOptions::default()
+                };
+                check_settled(
+                    self.window.nack(&delivery, ticket, options).await,
+                    "nack",
+                    &self.stats,
+                );
+            }
         }
     }
 
