@@ -25,6 +25,11 @@
 //!   batch in flight may run at once (`concurrent_batches`, default
 //!   `prefetch / batch_size`).
 //!
+//! `--hop N` measures, before the scenarios, what one actor hop costs: N
+//! messages sent one after the other to an actor that answers at once
+//! through a `ResponseFuture`, as the consumer talks to the dedup actor and
+//! the dedup actor to a handler actor (two hops per message).
+//!
 //! With `--repeat N` the scenarios are interleaved N times and each line
 //! gives the medians. Each run's own line (on stderr) ends with the CPU
 //! time other tenants of a virtual machine took meanwhile (`steal_s`, on
@@ -149,6 +154,9 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> Result<()> {
+    if common::arg("--hop").is_some() {
+        actor_hop(common::parsed_arg("--hop", 100_000)).await?;
+    }
     let count: usize = common::parsed_arg("--count", 20_000);
     let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
     let prefetch: u16 = common::parsed_arg("--prefetch", 16);
@@ -499,4 +507,46 @@ async fn effects_ok(pool: &Pool, unique: usize) -> Result<bool> {
         .await?;
     let (checkins, attendees): (i64, i64) = (row.get(0), row.get(1));
     Ok(checkins == unique as i64 && attendees == unique as i64)
+}
+
+/// An actor of the runtime's shape: each message answered by a future of
+/// its own, as the dedup and handler actors answer theirs.
+struct Echo;
+
+impl actix::Actor for Echo {
+    type Context = actix::Context<Self>;
+}
+
+#[derive(actix::Message)]
+#[rtype(result = "u64")]
+struct Ping(u64);
+
+impl actix::Handler<Ping> for Echo {
+    type Result = actix::ResponseFuture<u64>;
+
+    fn handle(&mut self, Ping(n): Ping, _ctx: &mut Self::Context) -> Self::Result {
+        Box::pin(async move { n })
+    }
+}
+
+/// Prints what one hop (send, answer, await) costs, on average over
+/// `round_trips` sent one after the other.
+async fn actor_hop(round_trips: u64) -> Result<()> {
+    use actix::Actor;
+    let echo = Echo.start();
+    let started = Instant::now();
+    let mut sum = 0;
+    for n in 0..round_trips {
+        sum += echo
+            .send(Ping(n))
+            .await
+            .map_err(|e| Error::Runtime(format!("the echo actor is gone: {e}")))?;
+    }
+    let elapsed = started.elapsed();
+    std::hint::black_box(sum);
+    println!(
+        "actor_hop round_trips={round_trips} micros_per_hop={:.2}",
+        elapsed.as_secs_f64() * 1e6 / round_trips.max(1) as f64
+    );
+    Ok(())
 }
