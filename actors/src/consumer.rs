@@ -2,7 +2,7 @@
 //!
 //! Owns the queue's connection, channel and lapin consumer stream. Decodes
 //! each delivery into an envelope and sends [`Deliver`](crate::Deliver) to
-//! the [`DedupActor`](crate::DedupActor), up to the queue's prefetch at
+//! the [`DedupActor`], up to the queue's prefetch at
 //! once, then settles the delivery from the [`Outcome`](crate::Outcome)
 //! (the failure policy lives in `settle.rs`):
 //!
@@ -31,12 +31,16 @@
 //! messages in flight and closes its connection; and [`Disconnect`] when
 //! the shutdown timeout is up: closes it at once.
 //!
-//! The queue has a connection of its own. lapin's recovery replays it after
-//! a network fault or a broker restart; if the consumer ends all the same
-//! (recovery gave up, the queue was deleted) or the broker closes its
-//! channel (a delivery unacked past RabbitMQ's `consumer_timeout`), the
-//! actor reconnects with a growing pause, declares the topology again and
-//! consumes anew.
+//! The queue has a connection of its own ([`Link`]).
+//! lapin's recovery replays it after a network fault or a broker restart;
+//! if the consumer ends all the same (recovery gave up, the queue was
+//! deleted), the broker closes its channel (a delivery unacked past
+//! RabbitMQ's `consumer_timeout`), or the connection stays down past
+//! `message_bus.connect_timeout` (a watchdog: lapin's recovery has no
+//! bound), the actor reconnects with a growing pause, declares the
+//! topology again and consumes anew. Deliveries of the lost channel that
+//! wait in the batch buffer are dropped (the broker redelivers them), and
+//! every delivery settles on its own channel's window only.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

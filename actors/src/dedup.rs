@@ -1,10 +1,10 @@
 //! [`DedupActor`]: the inbox itself.
 //!
 //! Owns the connection pool and the inbox store. Receives [`Deliver`] (from
-//! a [`ConsumerActor`](crate::ConsumerActor) or the in-process
+//! a [`ConsumerActor`](crate::consumer::ConsumerActor) or the in-process
 //! [`Publisher`](crate::Publisher)); for each message it opens a unit of
 //! work, claims the message in the inbox, sends [`Handle`] to the
-//! [`HandlerActor`](crate::HandlerActor) of the message's type, and commits
+//! [`HandlerActor`](crate::handler::HandlerActor) of the message's type, and commits
 //! or rolls back. It replies with the message's [`Outcome`].
 //!
 //! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims

@@ -6,7 +6,7 @@
 //! unit of work, replying [`Handled`]; and [`HandleBatch`], the same for
 //! several messages of a batch at once. A handler that panics fails its
 //! message (never the actor's other work) and the actor restarts itself
-//! through its [`Supervisor`](actix::Supervisor), via [`Restart`].
+//! through its [`Supervisor`], via [`Restart`].
 //!
 //! What a restart resets: every handler registered with a factory
 //! (`RuntimeBuilder::handler_factory`) is built anew, so that whatever a
@@ -73,7 +73,7 @@ pub(crate) enum HandlerFailure {
         /// connection, from its own rollback.
         error: String,
     },
-    /// A handler returned a [`Permanent`](inbox::Permanent) failure: no
+    /// A handler returned a [`Permanent`] failure: no
     /// attempt can succeed.
     Permanent {
         /// The handler's name.

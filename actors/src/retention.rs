@@ -4,7 +4,7 @@
 //! `retention.interval` it runs an [`inbox::sweep`] (one at a time in this
 //! instance; across instances the sweep's advisory lock lets one per
 //! database go, the others skip the round). Receives [`Sweep`] to sweep now,
-//! replying with the [`SweepReport`](inbox::SweepReport), and [`StopSweeping`]
+//! replying with the [`SweepReport`], and [`StopSweeping`]
 //! at shutdown. Sends nothing; records each sweep in [`Stats`]. The runtime
 //! starts it only while the inbox is on.
 

@@ -95,8 +95,8 @@ impl RuntimeBuilder {
         Ok(runtime)
     }
 
-    /// Gets everything ready and consumes nothing yet: validates the
-    /// settings, waits for the database and runs the migrations, starts the
+    /// Gets everything ready and consumes nothing yet: checks the
+    /// handlers, waits for the database and runs the migrations, starts the
     /// actors and, for `rabbitmq`, connects the publisher and declares the
     /// exchange and every queue's topology. The service can then set up
     /// its own tables through [`Runtime::pool`] before
@@ -120,7 +120,7 @@ impl RuntimeBuilder {
             // Every message would go to Q.skipped, retries in progress included.
             return Err(Error::Runtime(format!(
                 "no handler is registered, so consuming {} would move every message to its skipped queue: \
-                 register handlers with `.handler(..)` before `start`",
+                 register handlers with `.handler(..)` before `build` or `start`",
                 queues.join(", ")
             )));
         }
@@ -204,8 +204,9 @@ impl std::fmt::Debug for RuntimeBuilder {
     }
 }
 
-/// A started runtime. Keep it for as long as the service runs; end it with
-/// [`shutdown`](Self::shutdown) or [`run_until_signal`](Self::run_until_signal).
+/// A built runtime. Keep it for as long as the service runs; end it with
+/// [`shutdown`](Self::shutdown), or run it with [`run_until`](Self::run_until) or
+/// [`run_until_signal`](Self::run_until_signal), which end with one.
 ///
 /// ```no_run
 /// use inbox::{EventHandler, HandlerError, IntegrationEvent, Settings, UnitOfWork};

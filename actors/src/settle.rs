@@ -7,7 +7,7 @@
 //! `Q.error` or `Q.skipped`. Every move publishes the copy with its fault
 //! headers and waits for the broker's confirm before acking the original.
 //! What it did is counted once, when done. The
-//! [`ConsumerActor`](crate::ConsumerActor) owns one per queue and spawns
+//! [`ConsumerActor`](crate::consumer::ConsumerActor) owns one per queue and spawns
 //! its work, one delivery (or batch) at a time.
 
 use std::sync::Arc;
