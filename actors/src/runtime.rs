@@ -399,12 +399,23 @@ impl Runtime {
                 "messages still in flight at the shutdown timeout; they will be redelivered"
             );
         }
-        join_all(self.consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
-        if let Some(retention) = &self.retention {
-            let _ = retention.send(StopSweeping).await;
-        }
-        if let Err(e) = self.publisher.close().await {
-            tracing::warn!(error = %e, "closing the publishing connection failed");
+        // Closing waits for the broker's answer, which a broker whose
+        // packets vanish never gives: bounded, like every wait.
+        let patience = self.settings.message_bus.connect_timeout;
+        let closing = async {
+            join_all(self.consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
+            if let Some(retention) = &self.retention {
+                let _ = retention.send(StopSweeping).await;
+            }
+            if let Err(e) = self.publisher.close().await {
+                tracing::warn!(error = %e, "closing the publishing connection failed");
+            }
+        };
+        if tokio::time::timeout(patience, closing).await.is_err() {
+            tracing::warn!(
+                ?patience,
+                "the broker did not answer the close; leaving without it"
+            );
         }
         self.pool.close();
         tracing::info!(stats = ?self.stats.snapshot(), "runtime stopped");
