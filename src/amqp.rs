@@ -344,6 +344,19 @@ impl AmqpPublisher {
         properties: BasicProperties,
         body: &[u8],
     ) -> Result<()> {
+        self.publish_to(&self.exchange, routing_key, properties, body)
+            .await
+    }
+
+    /// [`publish_raw`](Self::publish_raw) to `exchange` rather than this
+    /// publisher's own.
+    pub async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
         let message_id = properties
             .message_id()
             .as_ref()
@@ -360,13 +373,7 @@ impl AmqpPublisher {
         let channel = self.live_channel().await?;
         let confirmed = async {
             channel
-                .basic_publish(
-                    self.exchange.as_str().into(),
-                    routing_key.into(),
-                    options,
-                    body,
-                    properties,
-                )
+                .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
                 .await?
                 .await
         };

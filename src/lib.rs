@@ -17,7 +17,10 @@
 //!   [`NoopInboxStore`] never deduplicates.
 //! - [`create_pool`] and [`wait_for_database`]: the inbox's pool, and the
 //!   start's bounded wait for the database.
-//! - [`run_migrations`]: creates `inbox_messages`, inbox on or off.
+//! - [`run_migrations`]: creates `inbox_messages` and `outbox_messages`,
+//!   inbox on or off.
+//! - [`dispatch`]: one round of the outbox: publishes the committed rows
+//!   [`UnitOfWork::publish`] staged, with confirms, then deletes them.
 //! - [`sweep`]: deletes inbox rows past `retention.days`, in batches, one
 //!   instance per database at a time.
 //! - [`amqp`]: connecting (bounded, logged), declaring a queue's topology
@@ -40,6 +43,7 @@ pub mod fault;
 mod handler;
 mod migrations;
 mod names;
+mod outbox;
 pub mod policy;
 mod retention;
 mod settings;
@@ -56,14 +60,15 @@ pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
+pub use outbox::{DispatchReport, dispatch};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{
-    DatabaseSettings, Destination, FailureSettings, MessageBusSettings, Provider, QueueKind, QueueSettings,
-    RetentionSettings, RuntimeSettings, Settings, ValidSettings,
+    DatabaseSettings, Destination, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
+    QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
-pub use unit_of_work::{Nested, UnitOfWork};
+pub use unit_of_work::{Nested, Outbox, UnitOfWork};
 
 // The dependencies that appear in this crate's signatures, so users never
 // fight a version mismatch.

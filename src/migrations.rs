@@ -8,11 +8,18 @@
 use crate::error::Result;
 
 /// Versioned SQL, applied in order, each once.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "inbox_messages",
-    include_str!("migrations/0001_inbox_messages.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "inbox_messages",
+        include_str!("migrations/0001_inbox_messages.sql"),
+    ),
+    (
+        2,
+        "outbox_messages",
+        include_str!("migrations/0002_outbox_messages.sql"),
+    ),
+];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).
 const LOCK_KEY: i64 = 0x0069_6e62_6f78;

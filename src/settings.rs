@@ -31,6 +31,9 @@ pub struct Settings {
     pub retention: RetentionSettings,
     /// `[runtime]`: lifecycle of the actors.
     pub runtime: RuntimeSettings,
+    /// `[outbox]`: dispatching the messages staged with
+    /// [`UnitOfWork::publish`](crate::UnitOfWork::publish).
+    pub outbox: OutboxSettings,
 }
 
 /// How events travel.
@@ -403,6 +406,59 @@ impl RetentionSettings {
     }
 }
 
+/// `[outbox]`: how the dispatcher publishes the rows of `outbox_messages`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutboxSettings {
+    /// `poll_interval`: how often the dispatcher looks for due rows when no
+    /// commit woke it (rows of other processes, retries coming due).
+    /// Default `1s`.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// `batch_size`: rows claimed, published and deleted per round.
+    /// Default 100.
+    pub batch_size: u32,
+    /// `retry_backoff`: the pause after a row's failed publish, doubled
+    /// after each next failure up to `max_retry_backoff`. Default `1s`.
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff: Duration,
+    /// `max_retry_backoff`: the longest pause between a row's tries.
+    /// Default `5m`.
+    #[serde(with = "humantime_serde")]
+    pub max_retry_backoff: Duration,
+    /// `max_attempts`: failed publishes after which a row is parked as dead
+    /// (`dead_at` set, its last error kept) and no longer blocks or costs
+    /// anything. Default 10.
+    pub max_attempts: u32,
+}
+
+impl Default for OutboxSettings {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_secs(1),
+            batch_size: 100,
+            retry_backoff: Duration::from_secs(1),
+            max_retry_backoff: Duration::from_secs(300),
+            max_attempts: 10,
+        }
+    }
+}
+
+impl OutboxSettings {
+    fn validate(&self) -> Result<()> {
+        bounded(self.poll_interval, "outbox.poll_interval")?;
+        if !(1..=10_000).contains(&self.batch_size) {
+            return Err(Error::setting("outbox.batch_size", "must be from 1 to 10000"));
+        }
+        bounded(self.retry_backoff, "outbox.retry_backoff")?;
+        bounded(self.max_retry_backoff, "outbox.max_retry_backoff")?;
+        if !(1..=1000).contains(&self.max_attempts) {
+            return Err(Error::setting("outbox.max_attempts", "must be from 1 to 1000"));
+        }
+        Ok(())
+    }
+}
+
 /// `[runtime]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -602,6 +658,7 @@ impl Settings {
         }
         self.failure.validate()?;
         self.retention.validate()?;
+        self.outbox.validate()?;
         bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         // Across sections: a late redelivery must still find its row.
         let path = self.failure.longest_redelivery_path();

@@ -9,6 +9,7 @@ use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::event::{IntegrationEvent, Message};
 
 /// One message's open transaction over a pooled connection. The inbox claim
 /// and every handler's writes run in it and commit together, or not at all.
@@ -56,6 +57,21 @@ pub struct UnitOfWork {
     /// How many [`nested`](Self::nested) scopes handlers opened, for their
     /// savepoints' names.
     nested_scopes: u32,
+    /// Where [`publish`](Self::publish) stages messages; `None` where no
+    /// dispatcher runs.
+    outbox: Option<Outbox>,
+    /// Messages staged with [`publish`](Self::publish).
+    published: u32,
+}
+
+/// A unit of work's outbox: the exchange its staged messages go to, and the
+/// dispatcher to wake when a commit has staged some.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    /// `message_bus.exchange`.
+    pub exchange: String,
+    /// Notified after a commit that staged messages.
+    pub wake: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl UnitOfWork {
@@ -73,6 +89,8 @@ impl UnitOfWork {
             savepoints: 0,
             staged_at_savepoint: Vec::new(),
             nested_scopes: 0,
+            outbox: None,
+            published: 0,
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -156,6 +174,50 @@ impl UnitOfWork {
         Ok(self)
     }
 
+    /// Gives this unit of work an outbox, so that [`publish`](Self::publish)
+    /// can stage messages (the runtime does this for the units of work it
+    /// opens).
+    pub fn with_outbox(mut self, outbox: Outbox) -> Self {
+        self.outbox = Some(outbox);
+        self
+    }
+
+    /// Stages `message` for publishing with `routing_key`, as a row of
+    /// `outbox_messages` in this transaction: it leaves only if the
+    /// transaction commits, then at least once and always with the same
+    /// `message_id` (the receiving inbox makes its effect exactly-once). In
+    /// a batch, a message rolled back to its savepoint takes its rows with
+    /// it. A body that cannot be serialized fails here, in the caller's
+    /// transaction, never later.
+    ///
+    /// Fails on a unit of work without an outbox (the in-process provider,
+    /// or one begun by hand without [`with_outbox`](Self::with_outbox)):
+    /// nothing would dispatch the row.
+    pub async fn publish<E: IntegrationEvent>(
+        &mut self,
+        routing_key: &str,
+        message: &Message<E>,
+    ) -> Result<()> {
+        let Some(outbox) = &self.outbox else {
+            return Err(Error::Runtime(format!(
+                "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
+                 of work not from the runtime)",
+                message.id
+            )));
+        };
+        let body = message.to_json()?;
+        let exchange = outbox.exchange.clone();
+        self.client()
+            .execute(
+                "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+                 VALUES ($1, $2, $3, $4, $5)",
+                &[&message.id, &exchange, &routing_key, &E::TYPE, &body],
+            )
+            .await?;
+        self.published += 1;
+        Ok(())
+    }
+
     /// Opens a nested scope for a handler: what runs through it can be
     /// undone on its own ([`Nested::rollback`]), including a failed
     /// statement, while the rest of the message's transaction goes on. It
@@ -197,6 +259,11 @@ impl UnitOfWork {
         match self.client().batch_execute("SELECT 1; COMMIT").await {
             Ok(()) => {
                 self.finished = true;
+                if self.published > 0
+                    && let Some(outbox) = &self.outbox
+                {
+                    outbox.wake.notify_one();
+                }
                 Ok(())
             }
             Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::Runtime(

@@ -28,7 +28,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::deadpool_postgres::Pool;
-use inbox::{Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
+use inbox::{Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outbox, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
@@ -73,6 +73,8 @@ pub(crate) type Routes = HashMap<String, Route>;
 /// Owns the pool and the store; runs each message's unit of work.
 pub struct DedupActor {
     pool: Pool,
+    /// Given to every unit of work, so that handlers can stage messages.
+    outbox: Option<Outbox>,
     /// `database.transaction_timeout`: the longest a message's (or a
     /// batch's) unit of work may take.
     transaction_timeout: Duration,
@@ -98,9 +100,11 @@ impl DedupActor {
         routes: Routes,
         stats: Arc<Stats>,
         transaction_timeout: Duration,
+        outbox: Option<Outbox>,
     ) -> Self {
         Self {
             pool,
+            outbox,
             transaction_timeout,
             store,
             routes: Arc::new(routes),
@@ -133,6 +137,7 @@ impl DedupActor {
     fn work(&self) -> Work {
         Work {
             pool: self.pool.clone(),
+            outbox: self.outbox.clone(),
             store: Arc::clone(&self.store),
             routes: Arc::clone(&self.routes),
             stats: Arc::clone(&self.stats),
@@ -209,6 +214,7 @@ async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<
 /// What processing needs, taken from the actor.
 pub(crate) struct Work {
     pub(crate) pool: Pool,
+    pub(crate) outbox: Option<Outbox>,
     pub(crate) store: Arc<dyn DynInboxStore>,
     pub(crate) routes: Arc<Routes>,
     pub(crate) stats: Arc<Stats>,
@@ -221,9 +227,13 @@ impl Work {
             .get()
             .await
             .map_err(|e| Abandoned::database(Stage::Database, &e.into()))?;
-        UnitOfWork::begin(connection)
+        let uow = UnitOfWork::begin(connection)
             .await
-            .map_err(|e| Abandoned::database(Stage::Begin, &e))
+            .map_err(|e| Abandoned::database(Stage::Begin, &e))?;
+        Ok(match &self.outbox {
+            Some(outbox) => uow.with_outbox(outbox.clone()),
+            None => uow,
+        })
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {

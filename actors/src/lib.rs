@@ -42,6 +42,7 @@ mod consumer;
 mod dedup;
 mod handler;
 mod link;
+mod outbox;
 mod publisher;
 mod retention;
 mod runtime;

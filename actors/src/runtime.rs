@@ -11,14 +11,16 @@ use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
 use inbox::{
     DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
-    PgInboxStore, Provider, Result, Settings, ValidSettings,
+    Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
 };
+use tokio::sync::Notify;
 
 use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::dedup::{DedupActor, Route, Routes};
 use crate::handler::{HandlerActor, HandlerSource};
 use crate::link::Link;
+use crate::outbox::{OutboxActor, StopDispatching};
 use crate::publisher::Publisher;
 use crate::retention::{RetentionActor, StopSweeping};
 use crate::stats::{Stats, StatsSnapshot};
@@ -152,10 +154,16 @@ impl RuntimeBuilder {
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
             .collect();
         let stats = Arc::new(Stats::default());
+        // Over a broker, units of work can stage messages; the dispatcher
+        // starts with the broker connection.
+        let outbox = (settings.message_bus.provider == Provider::Rabbitmq).then(|| Outbox {
+            exchange: settings.message_bus.exchange.clone(),
+            wake: Arc::new(Notify::new()),
+        });
         let dedup = {
-            let (pool, stats) = (pool.clone(), Arc::clone(&stats));
+            let (pool, stats, outbox) = (pool.clone(), Arc::clone(&stats), outbox.clone());
             let timeout = settings.database.transaction_timeout;
-            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout))
+            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout, outbox))
         };
 
         // Rows of an enabled period stay while the inbox is off: nothing
@@ -177,6 +185,8 @@ impl RuntimeBuilder {
             settings,
             pool,
             dedup,
+            outbox,
+            dispatcher: None,
             consumers: Vec::new(),
             retention,
             stats,
@@ -237,6 +247,10 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// ```
 pub struct Runtime {
     settings: ValidSettings,
+    /// Where units of work stage messages (over a broker).
+    outbox: Option<Outbox>,
+    /// Publishes what they staged, once committed.
+    dispatcher: Option<Addr<OutboxActor>>,
     pool: Pool,
     dedup: Addr<DedupActor>,
     consumers: Vec<Addr<ConsumerActor>>,
@@ -279,11 +293,19 @@ impl Runtime {
                 inbox::amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
             }
             let _ = channel.close(200, "declared".into()).await;
-            Ok::<_, Error>(publisher)
+            let dispatching = inbox::AmqpPublisher::connect(&self.settings, "inbox outbox").await?;
+            Ok::<_, Error>((publisher, dispatching))
         };
         match declared.await {
-            Ok(publisher) => {
+            Ok((publisher, dispatching)) => {
                 self.publisher = Publisher::amqp(publisher);
+                if let Some(outbox) = &self.outbox {
+                    let (pool, settings, outbox) =
+                        (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
+                    self.dispatcher = Some(Supervisor::start(move |_| {
+                        OutboxActor::new(pool, dispatching, settings, outbox)
+                    }));
+                }
                 Ok(self)
             }
             Err(e) => Err((self, e)),
@@ -336,6 +358,18 @@ impl Runtime {
     /// log, a metrics exporter).
     pub fn shared_stats(&self) -> Arc<Stats> {
         Arc::clone(&self.stats)
+    }
+
+    /// A unit of work on the inbox's pool, for application code (an HTTP
+    /// endpoint, a job, a command): write through it, stage messages with
+    /// [`UnitOfWork::publish`], then commit it. What it staged is published
+    /// once it commits, never before.
+    pub async fn unit_of_work(&self) -> Result<UnitOfWork> {
+        let uow = UnitOfWork::begin(self.pool.get().await?).await?;
+        Ok(match &self.outbox {
+            Some(outbox) => uow.with_outbox(outbox.clone()),
+            None => uow,
+        })
     }
 
     /// The inbox's pool, for a service's own setup queries. Messages in
@@ -406,6 +440,9 @@ impl Runtime {
             join_all(self.consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
             if let Some(retention) = &self.retention {
                 let _ = retention.send(StopSweeping).await;
+            }
+            if let Some(dispatcher) = &self.dispatcher {
+                let _ = dispatcher.send(StopDispatching).await;
             }
             if let Err(e) = self.publisher.close().await {
                 tracing::warn!(error = %e, "closing the publishing connection failed");

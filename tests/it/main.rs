@@ -26,5 +26,7 @@ mod shutdown;
 mod hardening;
 // The first hour: services down at start, errors that name their cause, settings found on purpose.
 mod startup;
+// The outbox: published after the commit, never for a rollback, never blocked, never twice.
+mod outbox;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
 mod hosting;

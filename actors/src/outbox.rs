@@ -1,0 +1,106 @@
+//! [`OutboxActor`]: publishes what committed transactions staged.
+//!
+//! Owns the outbox's broker connection (its own [`AmqpPublisher`]). Runs
+//! [`inbox::dispatch`] rounds: at once when a commit that staged messages
+//! wakes it (through the [`Outbox`]'s `Notify`, so the latency is that of
+//! one publish), again while rounds come back full, and every
+//! `outbox.poll_interval` for rows of other processes and retries coming
+//! due. Receives `StopDispatching` at shutdown: the round in progress
+//! finishes, no other starts. A round that fails (the database or the
+//! broker away) is logged and tried again at the next wake or poll.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use futures_util::FutureExt;
+use inbox::deadpool_postgres::Pool;
+use inbox::{AmqpPublisher, Outbox, OutboxSettings};
+use tokio::sync::watch;
+
+/// Stop dispatching once the round in progress is done (shutdown).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct StopDispatching;
+
+/// Dispatches the outbox of one database.
+pub(crate) struct OutboxActor {
+    pool: Pool,
+    publisher: AmqpPublisher,
+    settings: OutboxSettings,
+    outbox: Outbox,
+    /// Set to `true` to stop; the dispatch loop watches it.
+    stop: watch::Sender<bool>,
+    /// Resolves when the dispatch loop has ended.
+    ended: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl OutboxActor {
+    pub(crate) fn new(
+        pool: Pool,
+        publisher: AmqpPublisher,
+        settings: OutboxSettings,
+        outbox: Outbox,
+    ) -> Self {
+        Self {
+            pool,
+            publisher,
+            settings,
+            outbox,
+            stop: watch::channel(false).0,
+            ended: None,
+        }
+    }
+}
+
+impl Actor for OutboxActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, _ctx: &mut Context<Self>) {
+        let (pool, publisher, settings) = (self.pool.clone(), self.publisher.clone(), self.settings.clone());
+        let wake = Arc::clone(&self.outbox.wake);
+        let mut stop = self.stop.subscribe();
+        let (done, ended) = tokio::sync::oneshot::channel();
+        self.ended = Some(ended);
+        actix_rt::spawn(async move {
+            while !*stop.borrow() {
+                // A panic fails the round, never the loop: the claimed rows
+                // roll back with their connection and come due again.
+                let round = AssertUnwindSafe(inbox::dispatch(&pool, &publisher, &settings)).catch_unwind();
+                match round.await {
+                    // A full round: more may be due at once.
+                    Ok(Ok(report)) if report.claimed == settings.batch_size as usize => continue,
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "outbox dispatch failed; trying again"),
+                    Err(_) => tracing::error!("outbox dispatch panicked; trying again"),
+                }
+                tokio::select! {
+                    _ = wake.notified() => {}
+                    _ = tokio::time::sleep(settings.poll_interval) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+            let _ = done.send(());
+        });
+    }
+}
+
+impl Supervised for OutboxActor {}
+
+impl actix::Handler<StopDispatching> for OutboxActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: StopDispatching, _ctx: &mut Context<Self>) -> Self::Result {
+        let _ = self.stop.send(true);
+        let ended = self.ended.take();
+        let publisher = self.publisher.clone();
+        Box::pin(async move {
+            if let Some(ended) = ended {
+                let _ = ended.await;
+            }
+            if let Err(e) = publisher.close().await {
+                tracing::debug!(error = %e, "closing the outbox connection failed");
+            }
+        })
+    }
+}

@@ -1,0 +1,267 @@
+//! The outbox: staged in the transaction, published after the commit, never
+//! before and never for a rollback; an unsendable row parks without
+//! blocking; two dispatchers never both send a row.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use inbox::lapin::types::FieldTable;
+use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use inbox_actors::Runtime;
+
+use crate::support::{Counted, TestEnv, Valid, amqp, increment, publish_keys, wait_until};
+
+/// Counts like `Count`, and stages one follow-up per event to `forward`
+/// (key + 1000), in the same transaction; fails key 7 after staging.
+struct CountAndForward {
+    forward: String,
+}
+
+impl EventHandler<Counted> for CountAndForward {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, "counts", event.key).await?;
+        uow.publish(
+            &self.forward,
+            &Message::new(Counted {
+                key: event.key + 1000,
+            }),
+        )
+        .await?;
+        if event.key == 7 {
+            return Err("fails after staging its follow-up".into());
+        }
+        Ok(())
+    }
+}
+
+/// Declares `queue`, durable and quorum, as a receiving service would.
+async fn declare_queue(queue: &str) {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        inbox::lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), options, arguments)
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Takes every message of `queue`: their `message_id`s and bodies' keys.
+async fn drain(queue: &str) -> (Vec<String>, Vec<i64>) {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let (mut ids, mut keys) = (Vec::new(), Vec::new());
+    while let Some(message) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        let delivery = message.delivery;
+        ids.push(
+            delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .as_str()
+                .to_owned(),
+        );
+        let event: Counted = serde_json::from_slice(&delivery.data).unwrap();
+        keys.push(event.key);
+    }
+    connection.close(200, "done".into()).await.unwrap();
+    (ids, keys)
+}
+
+#[actix_rt::test]
+async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a_rollback() {
+    let mut env = TestEnv::new("outbox_forward").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    settings.failure.delays = Vec::new();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountAndForward {
+            forward: forward.clone(),
+        })
+        .start()
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..10).await;
+    wait_until("nine follow-ups arrive and key 7 is set aside", || async {
+        runtime.stats().dead_lettered == 1 && env.ready(&forward).await == 9
+    })
+    .await;
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+    runtime.shutdown().await;
+    let (ids, mut keys) = drain(&forward).await;
+    keys.sort();
+    let expected: Vec<i64> = (0..10).filter(|k| *k != 7).map(|k| k + 1000).collect();
+    assert_eq!(
+        keys, expected,
+        "one follow-up per committed message, none for the failed one"
+    );
+    assert_eq!(
+        ids.iter().collect::<HashSet<_>>().len(),
+        9,
+        "each with its own id"
+    );
+}
+
+#[actix_rt::test]
+async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow() {
+    let mut env = TestEnv::new("outbox_dead").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    settings.outbox.max_attempts = 2;
+    settings.outbox.retry_backoff = Duration::from_millis(50);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    let nowhere = format!("{}.nowhere", env.queue);
+    uow.publish(&nowhere, &Message::new(Counted { key: 0 }))
+        .await
+        .unwrap();
+    for key in 1..4 {
+        uow.publish(&forward, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    uow.commit().await.unwrap();
+    wait_until("the three routable ones arrive", || async {
+        env.ready(&forward).await == 3
+    })
+    .await;
+    wait_until("the unroutable one is parked", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let row = env
+        .db()
+        .await
+        .query_one("SELECT attempts, last_error FROM outbox_messages", &[])
+        .await
+        .unwrap();
+    let (attempts, error): (i32, String) = (row.get(0), row.get(1));
+    assert_eq!(attempts, 2);
+    assert!(error.contains("unroutable"), "{error}");
+}
+
+#[actix_rt::test]
+async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
+    let mut env = TestEnv::new("outbox_commit").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let mut rolled_back = runtime.unit_of_work().await.unwrap();
+    rolled_back
+        .publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    rolled_back.rollback().await.unwrap();
+    let mut pending = runtime.unit_of_work().await.unwrap();
+    pending
+        .publish(&forward, &Message::new(Counted { key: 2 }))
+        .await
+        .unwrap();
+    // Uncommitted for longer than a poll: nothing leaves.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(env.ready(&forward).await, 0);
+    pending.commit().await.unwrap();
+    wait_until("the committed one arrives", || async {
+        env.ready(&forward).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let (_, keys) = drain(&forward).await;
+    assert_eq!(keys, [2]);
+}
+
+#[actix_rt::test]
+async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
+    let mut env = TestEnv::new("outbox_two_dispatchers").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    settings.outbox.batch_size = 10;
+    let first = Runtime::builder(settings.clone().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let second = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    for chunk in 0..20 {
+        let runtime = if chunk % 2 == 0 { &first } else { &second };
+        let mut uow = runtime.unit_of_work().await.unwrap();
+        for key in chunk * 10..chunk * 10 + 10 {
+            uow.publish(&forward, &Message::new(Counted { key }))
+                .await
+                .unwrap();
+        }
+        uow.commit().await.unwrap();
+    }
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+    first.shutdown().await;
+    second.shutdown().await;
+    let (ids, _) = drain(&forward).await;
+    assert_eq!(ids.len(), 200, "no row sent by both");
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 200);
+}
+
+#[actix_rt::test]
+async fn in_a_batch_a_message_rolled_back_to_its_savepoint_takes_its_follow_up_with_it() {
+    let mut env = TestEnv::new("outbox_batch").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = crate::batching::batching(&env);
+    settings.failure.delays = Vec::new();
+    crate::batching::prefill_keys(&settings, 0..16).await;
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountAndForward {
+            forward: forward.clone(),
+        })
+        .start()
+        .await
+        .unwrap();
+    wait_until("fifteen follow-ups arrive and key 7 is set aside", || async {
+        runtime.stats().dead_lettered == 1 && env.ready(&forward).await == 15
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    assert!(stats.batches_split >= 1, "{stats:?}");
+    let (_, mut keys) = drain(&forward).await;
+    keys.sort();
+    let expected: Vec<i64> = (0..16).filter(|k| *k != 7).map(|k| k + 1000).collect();
+    assert_eq!(keys, expected);
+}
