@@ -35,6 +35,7 @@
 //!   failure).
 
 mod backoff;
+mod context;
 mod db;
 mod envelope;
 mod error;
@@ -54,6 +55,7 @@ pub mod amqp;
 
 pub use amqp::AmqpPublisher;
 pub use backoff::Backoff;
+pub use context::{CAUSATION_ID, CORRELATION_ID, MessageContext};
 pub use db::{create_pool, wait_for_database};
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
 pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};

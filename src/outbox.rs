@@ -20,6 +20,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use futures_util::future::join_all;
 use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
 use uuid::Uuid;
 
 use crate::amqp::AmqpPublisher;
@@ -56,7 +57,7 @@ pub async fn dispatch(
     let tx = connection.transaction().await?;
     let rows = tx
         .query(
-            "SELECT seq, message_id, exchange, routing_key, message_type, body, attempts
+            "SELECT seq, message_id, exchange, routing_key, message_type, headers::text AS headers, body, attempts
              FROM outbox_messages
              WHERE dead_at IS NULL AND next_attempt_at <= now()
              ORDER BY seq
@@ -84,7 +85,8 @@ pub async fn dispatch(
             .with_message_id(message_id.to_string().into())
             .with_type(message_type.into())
             .with_content_type(JSON.into())
-            .with_delivery_mode(PERSISTENT);
+            .with_delivery_mode(PERSISTENT)
+            .with_headers(headers(row.get("headers")));
         publisher.publish_to(exchange, routing_key, properties, body)
     });
     let results = join_all(publishes).await;
@@ -127,6 +129,20 @@ pub async fn dispatch(
     tx.commit().await?;
     report.dispatched = confirmed.len();
     Ok(report)
+}
+
+/// The row's headers (a JSON object of strings, as staging writes them) as
+/// AMQP headers.
+fn headers(json: &str) -> FieldTable {
+    let mut table = FieldTable::default();
+    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(json) {
+        for (key, value) in map {
+            if let serde_json::Value::String(text) = value {
+                table.insert(key.as_str().into(), AMQPValue::LongString(text.as_str().into()));
+            }
+        }
+    }
+    table
 }
 
 fn millis(pause: Duration) -> f64 {

@@ -8,6 +8,7 @@ use futures_util::FutureExt;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
+use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 
@@ -62,6 +63,9 @@ pub struct UnitOfWork {
     outbox: Option<Outbox>,
     /// Messages staged with [`publish`](Self::publish).
     published: u32,
+    /// The messages its handlers are handling now, in the order of their
+    /// events.
+    contexts: Vec<MessageContext>,
 }
 
 /// A unit of work's outbox: the exchange its staged messages go to, and the
@@ -91,6 +95,7 @@ impl UnitOfWork {
             nested_scopes: 0,
             outbox: None,
             published: 0,
+            contexts: Vec::new(),
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -182,6 +187,29 @@ impl UnitOfWork {
         self
     }
 
+    /// The message being handled, when there is one: in a handler's
+    /// `handle`. `None` in a whole batch's `handle_batch` (see
+    /// [`contexts`](Self::contexts)) and in application code.
+    pub fn context(&self) -> Option<&MessageContext> {
+        match self.contexts.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    /// The messages being handled, in the order of the events a handler
+    /// was given (one in `handle`, the batch's in `handle_batch`).
+    pub fn contexts(&self) -> &[MessageContext] {
+        &self.contexts
+    }
+
+    /// Tells the unit of work which messages its handlers handle now (the
+    /// runtime does, before the handlers run).
+    #[doc(hidden)]
+    pub fn set_contexts(&mut self, contexts: Vec<MessageContext>) {
+        self.contexts = contexts;
+    }
+
     /// Stages `message` for publishing with `routing_key`, as a row of
     /// `outbox_messages` in this transaction: it leaves only if the
     /// transaction commits, then at least once and always with the same
@@ -193,8 +221,34 @@ impl UnitOfWork {
     /// Fails on a unit of work without an outbox (the in-process provider,
     /// or one begun by hand without [`with_outbox`](Self::with_outbox)):
     /// nothing would dispatch the row.
+    ///
+    /// Staged while one message is handled ([`context`](Self::context)),
+    /// the follow-up carries its `correlation_id` (or its id, for the first
+    /// of a flow) and its id as `causation_id`; in a batch, use
+    /// [`publish_caused_by`](Self::publish_caused_by).
     pub async fn publish<E: IntegrationEvent>(
         &mut self,
+        routing_key: &str,
+        message: &Message<E>,
+    ) -> Result<()> {
+        let cause = self.context().cloned();
+        self.stage_outgoing(cause.as_ref(), routing_key, message).await
+    }
+
+    /// [`publish`](Self::publish), as a follow-up of `cause` (one of
+    /// [`contexts`](Self::contexts), in a batch).
+    pub async fn publish_caused_by<E: IntegrationEvent>(
+        &mut self,
+        cause: &MessageContext,
+        routing_key: &str,
+        message: &Message<E>,
+    ) -> Result<()> {
+        self.stage_outgoing(Some(cause), routing_key, message).await
+    }
+
+    async fn stage_outgoing<E: IntegrationEvent>(
+        &mut self,
+        cause: Option<&MessageContext>,
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
@@ -207,11 +261,17 @@ impl UnitOfWork {
         };
         let body = message.to_json()?;
         let exchange = outbox.exchange.clone();
+        let headers: serde_json::Map<String, serde_json::Value> = cause
+            .map(|cause| cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v.into())))
+            .into_iter()
+            .flatten()
+            .collect();
+        let headers = serde_json::Value::Object(headers).to_string();
         self.client()
             .execute(
-                "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
-                 VALUES ($1, $2, $3, $4, $5)",
-                &[&message.id, &exchange, &routing_key, &E::TYPE, &body],
+                "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
+                 VALUES ($1, $2, $3, $4, $5::text::jsonb, $6)",
+                &[&message.id, &exchange, &routing_key, &E::TYPE, &headers, &body],
             )
             .await?;
         self.published += 1;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
-use inbox::{DynEventHandler, Envelope, IntegrationEvent, Permanent, UnitOfWork};
+use inbox::{DynEventHandler, Envelope, IntegrationEvent, MessageContext, Permanent, UnitOfWork};
 use tracing::Instrument;
 
 /// Run the handlers for one message inside its unit of work.
@@ -194,6 +194,7 @@ async fn run_handlers<E: IntegrationEvent>(
             }
         }
     }
+    uow.set_contexts(envelopes.iter().map(|e| MessageContext::of(e)).collect());
     for handler in handlers.iter() {
         let name = handler.name();
         let handled = match events.as_slice() {

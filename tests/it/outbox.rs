@@ -265,3 +265,58 @@ async fn in_a_batch_a_message_rolled_back_to_its_savepoint_takes_its_follow_up_w
     let expected: Vec<i64> = (0..16).filter(|k| *k != 7).map(|k| k + 1000).collect();
     assert_eq!(keys, expected);
 }
+
+#[actix_rt::test]
+async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
+    let mut env = TestEnv::new("outbox_headers").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(CountAndForward {
+            forward: forward.clone(),
+        })
+        .start()
+        .await
+        .unwrap();
+    let (first, second) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    let mut flow = FieldTable::default();
+    flow.insert(
+        inbox::CORRELATION_ID.into(),
+        inbox::lapin::types::AMQPValue::LongString("flow-1".into()),
+    );
+    let with = |id: uuid::Uuid, headers: FieldTable| {
+        inbox::lapin::BasicProperties::default()
+            .with_message_id(id.to_string().into())
+            .with_type("Counted".into())
+            .with_headers(headers)
+    };
+    env.publish_raw(with(first, flow), br#"{"key": 1}"#).await;
+    env.publish_raw(with(second, FieldTable::default()), br#"{"key": 2}"#)
+        .await;
+    wait_until("both follow-ups arrive", || async {
+        env.ready(&forward).await == 2
+    })
+    .await;
+    runtime.shutdown().await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for _ in 0..2 {
+        let copy = channel
+            .basic_get(forward.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .unwrap()
+            .delivery;
+        let event: Counted = serde_json::from_slice(&copy.data).unwrap();
+        let (cause, correlation) = if event.key == 1001 {
+            (first, "flow-1".to_owned())
+        } else {
+            // The first of a flow: its own id starts the correlation.
+            (second, second.to_string())
+        };
+        let header = |key| crate::support::header(&copy, key);
+        assert_eq!(header(inbox::CAUSATION_ID), Some(cause.to_string()));
+        assert_eq!(header(inbox::CORRELATION_ID), Some(correlation));
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}

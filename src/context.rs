@@ -1,0 +1,68 @@
+//! [`MessageContext`]: what a handler knows of the message it handles,
+//! through its unit of work.
+
+use uuid::Uuid;
+
+use crate::envelope::Envelope;
+use crate::fault::{MAX_VALUE_BYTES, truncate};
+
+/// The header that ties together every message of one flow: copied from
+/// the message a follow-up is staged for, or that message's own id.
+pub const CORRELATION_ID: &str = "correlation_id";
+/// The header that names the message a follow-up was staged for.
+pub const CAUSATION_ID: &str = "causation_id";
+
+/// One message being handled: its identity and where it came from. Read it
+/// in a handler with [`UnitOfWork::context`](crate::UnitOfWork::context)
+/// (one message) or [`UnitOfWork::contexts`](crate::UnitOfWork::contexts)
+/// (a batch, in the order of its events).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MessageContext {
+    /// The message's id.
+    pub message_id: Uuid,
+    /// Its type name.
+    pub event_type: String,
+    /// Whether the broker delivered it before.
+    pub redelivered: bool,
+    /// Its `correlation_id` header, if it had one (untrusted, bounded).
+    pub correlation_id: Option<String>,
+    /// Its `causation_id` header, if it had one (untrusted, bounded).
+    pub causation_id: Option<String>,
+}
+
+impl MessageContext {
+    /// The context of `envelope`.
+    pub fn of(envelope: &Envelope) -> Self {
+        let text = |key: &str| {
+            use lapin::types::AMQPValue;
+            match envelope.headers.inner().get(key)? {
+                AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+                _ => None,
+            }
+            .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned())
+        };
+        Self {
+            message_id: envelope.message_id,
+            event_type: envelope.event_type.clone(),
+            redelivered: envelope.redelivered,
+            correlation_id: text(CORRELATION_ID),
+            causation_id: text(CAUSATION_ID),
+        }
+    }
+
+    /// The headers a follow-up of this message carries: its correlation id
+    /// (or, for the first message of a flow, its own id) and its id as the
+    /// causation id.
+    pub fn follow_up_headers(&self) -> [(&'static str, String); 2] {
+        let correlation = self
+            .correlation_id
+            .clone()
+            .unwrap_or_else(|| self.message_id.to_string());
+        [
+            (CORRELATION_ID, correlation),
+            (CAUSATION_ID, self.message_id.to_string()),
+        ]
+    }
+}
