@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
+//!     [--forward-to QUEUE]
 //! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
 //!
@@ -14,6 +15,12 @@
 //! With `--batch-size N` above 1 the queue runs batches of up to N
 //! deliveries (`queues[].batch_size`), which the handlers write with one
 //! set-based statement each.
+//!
+//! `--forward-to QUEUE` declares QUEUE (durable, quorum) and, for every
+//! check-in it records, stages one `CheckinRecorded` follow-up for QUEUE
+//! through the outbox, in the same transaction as its counts: a fresh
+//! `message_id`, the body `{"attendee_id", "session_id",
+//! "source_message_id"}`. A refused check-in forwards nothing.
 //!
 //! `--abort-on-attendee ID` is a crash-loop demonstration: the process
 //! aborts (`std::process::abort`) whenever it handles a check-in of
@@ -32,7 +39,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{AttendeeCheckedIn, CountAttendance, CountCheckins};
+use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, ForwardCheckins};
 use inbox::{EventHandler, HandlerError, UnitOfWork};
 use inbox_actors::Runtime;
 use tracing_subscriber::EnvFilter;
@@ -76,13 +83,17 @@ async fn run() -> inbox::Result<()> {
         );
         builder = builder.handler(AbortOn { attendee_id });
     }
-    // Ready, not consuming yet: the service's own tables come first.
-    let runtime = builder
-        .handler(CountCheckins)
-        .handler(CountAttendance)
-        .build()
-        .await?;
+    let forward_to = common::arg("--forward-to");
+    builder = builder.handler(CountCheckins).handler(CountAttendance);
+    if let Some(queue) = &forward_to {
+        builder = builder.handler(ForwardCheckins { queue: queue.clone() });
+    }
+    // Ready, not consuming yet: the service's own tables and queues first.
+    let runtime = builder.build().await?;
     common::create_tables(runtime.pool()).await?;
+    if let Some(queue) = &forward_to {
+        declare_forward_queue(runtime.settings(), queue).await?;
+    }
 
     // A progress line every few seconds.
     let stats = runtime.shared_stats();
@@ -147,5 +158,22 @@ async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
         common::drop_database(settings, name).await?;
         println!("dropped database {name}");
     }
+    Ok(())
+}
+
+/// Declares the queue follow-ups go to: durable and quorum, idempotently.
+async fn declare_forward_queue(settings: &inbox::Settings, queue: &str) -> inbox::Result<()> {
+    use inbox::lapin::options::QueueDeclareOptions;
+    use inbox::lapin::types::{AMQPValue, FieldTable};
+    let connection = inbox::amqp::connect(settings, "checkin_service --forward-to").await?;
+    let channel = connection.create_channel().await?;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel.queue_declare(queue.into(), options, arguments).await?;
+    connection.close(200, "declared".into()).await?;
     Ok(())
 }

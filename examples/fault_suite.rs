@@ -210,6 +210,8 @@ impl Suite {
                 &self.batch_size.to_string(),
                 "--abort-on-attendee",
                 &POISON.to_string(),
+                "--forward-to",
+                &forward_queue(&self.queue),
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
@@ -354,6 +356,89 @@ fn sh(command: &str) -> Result<String> {
         )));
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Where the service forwards a `CheckinRecorded` per check-in.
+fn forward_queue(queue: &str) -> String {
+    format!("{queue}.forward")
+}
+
+/// Rows the service's outbox still has to publish.
+async fn pending_forwards(settings: &Settings) -> Result<i64> {
+    let pool = inbox::create_pool(settings)?;
+    let count = pool
+        .get()
+        .await?
+        .query_one("SELECT count(*) FROM outbox_messages WHERE dead_at IS NULL", &[])
+        .await
+        .map(|row| row.get(0))
+        // Before the service's first start migrated, there is no table.
+        .unwrap_or(0);
+    pool.close();
+    Ok(count)
+}
+
+/// What the forward queue holds, checked against what was published.
+#[derive(Debug, Default)]
+struct Forwards {
+    /// Distinct forward message_ids.
+    unique: usize,
+    /// Good check-ins with no forward.
+    lost: usize,
+    /// Good check-ins with two distinct forward message_ids or more.
+    doubled: usize,
+    /// Forwards of anything but a good check-in.
+    leaked: usize,
+    /// Deliveries beyond one per distinct forward message_id (allowed).
+    copies: usize,
+}
+
+/// Takes every message of the forward queue and counts them.
+async fn read_forwards(settings: &Settings, queue: &str, published: &Published) -> Result<Forwards> {
+    let connection = connect(settings).await?;
+    let channel = connection.create_channel().await?;
+    let mut deliveries = 0;
+    let mut ids: HashSet<String> = HashSet::new();
+    let mut by_source: HashMap<inbox::uuid::Uuid, HashSet<String>> = HashMap::new();
+    let mut leaked = 0;
+    while let Some(message) = channel
+        .basic_get(
+            forward_queue(queue).as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await?
+    {
+        deliveries += 1;
+        let delivery = message.delivery;
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str().to_owned())
+            .unwrap_or_default();
+        ids.insert(id.clone());
+        match serde_json::from_slice::<common::CheckinRecorded>(&delivery.data) {
+            Ok(recorded) if published.good.contains_key(&recorded.source_message_id) => {
+                by_source
+                    .entry(recorded.source_message_id)
+                    .or_default()
+                    .insert(id);
+            }
+            _ => leaked += 1,
+        }
+    }
+    let _ = connection.close(200, "done".into()).await;
+    Ok(Forwards {
+        unique: ids.len(),
+        lost: published
+            .good
+            .keys()
+            .filter(|id| !by_source.contains_key(id))
+            .count(),
+        doubled: by_source.values().filter(|ids| ids.len() > 1).count(),
+        leaked,
+        copies: deliveries - ids.len(),
+    })
 }
 
 fn service_log_path() -> std::path::PathBuf {
@@ -539,6 +624,8 @@ async fn wait_until_settled(
             ));
             last_report = Instant::now();
         }
+        // The outbox too: what committed is forwarded before the checks.
+        busy += u32::try_from(pending_forwards(&suite.settings).await?).unwrap_or(u32::MAX);
         if busy == 0 && errors >= expected_errors {
             // Settled as far as the broker shows; unacked ones would show
             // after the service stops, and the checks count them.
@@ -636,19 +723,25 @@ async fn check(
     }
     let failing_in_error = published.failing.iter().all(|id| error_ids.contains(id));
     let malformed_in_error = markers == published.malformed;
+    let forwards = read_forwards(&suite.settings, &suite.queue, published).await?;
     let mut waiting = ready(&suite.settings, &suite.queue).await?;
     for tier in 1..=suite.settings.failure.delays.len() {
         waiting += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
     }
 
     println!(
-        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error} crashes={}",
+        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error} crashes={} forward_unique={} forward_lost={} forward_doubled={} forward_leaked={} forward_copies={}",
         suite.kills,
         suite.db_restarts,
         suite.broker_restarts,
         published.count,
         published.good.len(),
         suite.crashes,
+        forwards.unique,
+        forwards.lost,
+        forwards.doubled,
+        forwards.leaked,
+        forwards.copies,
     );
     let checks = [
         (lost == 0, "no effect lost"),
@@ -665,6 +758,9 @@ async fn check(
         ),
         (waiting == 0, "the main and retry queues are empty"),
         (ok_exit, "SIGTERM drained and exited 0"),
+        (forwards.lost == 0, "every check-in was forwarded"),
+        (forwards.doubled == 0, "no check-in was forwarded under two ids"),
+        (forwards.leaked == 0, "nothing refused or malformed was forwarded"),
         (
             poison_death.as_deref() == Some("delivery_limit") && suite.crashes > DELIVERY_LIMIT,
             "the crash-looping message is in the error queue, set aside by the delivery limit",
@@ -695,6 +791,7 @@ async fn check(
         amqp::retry_queue(&suite.queue, 2),
         error_queue,
         amqp::skipped_queue(&suite.queue),
+        forward_queue(&suite.queue),
     ] {
         let _ = channel
             .queue_delete(name.as_str().into(), QueueDeleteOptions::default())

@@ -89,6 +89,60 @@ fn refuse_negative(event: &AttendeeCheckedIn) -> Result<(), HandlerError> {
     Ok(())
 }
 
+/// What the check-in service forwards for each check-in it recorded
+/// (`--forward-to`), through the outbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct CheckinRecorded {
+    pub(crate) attendee_id: i64,
+    pub(crate) session_id: i64,
+    /// The `AttendeeCheckedIn`'s message_id.
+    pub(crate) source_message_id: inbox::uuid::Uuid,
+}
+
+impl IntegrationEvent for CheckinRecorded {
+    const TYPE: &'static str = "CheckinRecorded";
+}
+
+/// Stages one `CheckinRecorded` per check-in, to `queue`, in the message's
+/// transaction: it leaves only if the check-in's effects commit.
+pub(crate) struct ForwardCheckins {
+    pub(crate) queue: String,
+}
+
+impl ForwardCheckins {
+    fn recorded(
+        event: &AttendeeCheckedIn,
+        source: &inbox::MessageContext,
+    ) -> inbox::Message<CheckinRecorded> {
+        inbox::Message::new(CheckinRecorded {
+            attendee_id: event.attendee_id,
+            session_id: event.session_id,
+            source_message_id: source.message_id,
+        })
+    }
+}
+
+impl EventHandler<AttendeeCheckedIn> for ForwardCheckins {
+    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let source = uow.context().cloned().ok_or("no message context")?;
+        uow.publish(&self.queue, &Self::recorded(event, &source)).await?;
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        events: &[AttendeeCheckedIn],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let sources = uow.contexts().to_vec();
+        for (event, source) in events.iter().zip(&sources) {
+            uow.publish_caused_by(source, &self.queue, &Self::recorded(event, source))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
 /// Counts attendees per session.
 pub(crate) struct CountAttendance;
 
