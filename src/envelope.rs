@@ -98,6 +98,22 @@ impl Envelope {
     }
 }
 
+impl Envelope {
+    /// The envelope of a message staged with
+    /// [`UnitOfWork::publish`](crate::UnitOfWork::publish), delivered in
+    /// process to `consumer`.
+    pub fn from_outgoing(outgoing: &crate::outbox::Outgoing, consumer: &str) -> Self {
+        Self {
+            span: span(outgoing.message_id, &outgoing.message_type, consumer, false),
+            message_id: outgoing.message_id,
+            event_type: outgoing.message_type.clone(),
+            body: outgoing.body.clone(),
+            headers: outgoing.amqp_headers(),
+            redelivered: false,
+        }
+    }
+}
+
 fn span(message_id: Uuid, event_type: &str, consumer: &str, redelivered: bool) -> tracing::Span {
     // `attempt` is recorded by the consumer, from the message's failure
     // history, before each attempt.

@@ -44,7 +44,7 @@ pub mod fault;
 mod handler;
 mod migrations;
 mod names;
-mod outbox;
+pub mod outbox;
 pub mod policy;
 mod retention;
 mod settings;
@@ -62,7 +62,7 @@ pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
-pub use outbox::{DispatchReport, dispatch};
+pub use outbox::{DispatchReport, Outgoing, Sink, dispatch};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{

@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use futures_util::future::join_all;
+use futures_util::future::{BoxFuture, join_all};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use uuid::Uuid;
@@ -31,6 +31,63 @@ use crate::settings::OutboxSettings;
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
+
+/// A message on its way out: a row of `outbox_messages`, or, with the
+/// outbox off, held by its unit of work until the commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    /// Its id: the receiving inbox's dedup key.
+    pub message_id: Uuid,
+    /// Where: the exchange…
+    pub exchange: String,
+    /// …and the routing key.
+    pub routing_key: String,
+    /// The AMQP `type`.
+    pub message_type: String,
+    /// Headers (`correlation_id`, `causation_id`), as text.
+    pub headers: Vec<(String, String)>,
+    /// The event as JSON.
+    pub body: Vec<u8>,
+}
+
+impl Outgoing {
+    /// Its headers as AMQP headers.
+    pub fn amqp_headers(&self) -> FieldTable {
+        let mut table = FieldTable::default();
+        for (key, value) in &self.headers {
+            table.insert(key.as_str().into(), AMQPValue::LongString(value.as_str().into()));
+        }
+        table
+    }
+
+    /// Its AMQP properties: id, type, JSON, persistent, headers.
+    pub fn properties(&self) -> BasicProperties {
+        BasicProperties::default()
+            .with_message_id(self.message_id.to_string().into())
+            .with_type(self.message_type.as_str().into())
+            .with_content_type(JSON.into())
+            .with_delivery_mode(PERSISTENT)
+            .with_headers(self.amqp_headers())
+    }
+}
+
+/// Where dispatched messages go: the broker ([`AmqpPublisher`], with
+/// confirms), or, in process, the handlers.
+pub trait Sink: Send + Sync + 'static {
+    /// Sends `outgoing`; succeeds once it is taken (confirmed, or handled).
+    fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>>;
+}
+
+impl Sink for AmqpPublisher {
+    fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.publish_to(
+            &outgoing.exchange,
+            &outgoing.routing_key,
+            outgoing.properties(),
+            &outgoing.body,
+        ))
+    }
+}
 
 /// What one [`dispatch`] round did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,11 +105,7 @@ pub struct DispatchReport {
 /// One round: claims up to `outbox.batch_size` due rows in staging order,
 /// publishes them (confirms awaited together, sent in order), deletes the
 /// confirmed ones and reschedules or parks the others, in one transaction.
-pub async fn dispatch(
-    pool: &Pool,
-    publisher: &AmqpPublisher,
-    settings: &OutboxSettings,
-) -> Result<DispatchReport> {
+pub async fn dispatch(pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -> Result<DispatchReport> {
     let mut connection = pool.get().await?;
     let tx = connection.transaction().await?;
     let rows = tx
@@ -74,22 +127,19 @@ pub async fn dispatch(
         tx.commit().await?;
         return Ok(report);
     }
-    // Handed to lapin in staging order; the confirms are awaited together.
-    let publishes = rows.iter().map(|row| {
-        let message_id: Uuid = row.get("message_id");
-        let exchange: &str = row.get("exchange");
-        let routing_key: &str = row.get("routing_key");
-        let message_type: &str = row.get("message_type");
-        let body: &[u8] = row.get("body");
-        let properties = BasicProperties::default()
-            .with_message_id(message_id.to_string().into())
-            .with_type(message_type.into())
-            .with_content_type(JSON.into())
-            .with_delivery_mode(PERSISTENT)
-            .with_headers(headers(row.get("headers")));
-        publisher.publish_to(exchange, routing_key, properties, body)
-    });
-    let results = join_all(publishes).await;
+    // Handed over in staging order; the confirms are awaited together.
+    let outgoing: Vec<Outgoing> = rows
+        .iter()
+        .map(|row| Outgoing {
+            message_id: row.get("message_id"),
+            exchange: row.get("exchange"),
+            routing_key: row.get("routing_key"),
+            message_type: row.get("message_type"),
+            headers: headers(row.get("headers")),
+            body: row.get("body"),
+        })
+        .collect();
+    let results = join_all(outgoing.iter().map(|message| sink.send(message))).await;
 
     let mut confirmed: Vec<i64> = Vec::new();
     for (row, result) in rows.iter().zip(results) {
@@ -131,18 +181,18 @@ pub async fn dispatch(
     Ok(report)
 }
 
-/// The row's headers (a JSON object of strings, as staging writes them) as
-/// AMQP headers.
-fn headers(json: &str) -> FieldTable {
-    let mut table = FieldTable::default();
-    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(json) {
-        for (key, value) in map {
-            if let serde_json::Value::String(text) = value {
-                table.insert(key.as_str().into(), AMQPValue::LongString(text.as_str().into()));
-            }
-        }
+/// The row's headers: a JSON object of strings, as staging writes them.
+fn headers(json: &str) -> Vec<(String, String)> {
+    match serde_json::from_str(json) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .filter_map(|(key, value)| match value {
+                serde_json::Value::String(text) => Some((key, text)),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
     }
-    table
 }
 
 fn millis(pause: Duration) -> f64 {

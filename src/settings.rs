@@ -63,6 +63,13 @@ pub struct MessageBusSettings {
     /// Default unset: on for `rabbitmq`, off for `in_process`. An explicit
     /// value wins both ways; see [`Settings::is_inbox_enabled`].
     pub enable_inbox: Option<bool>,
+    /// `enable_outbox`: stage what units of work publish in
+    /// `outbox_messages`, so that it leaves only once their transaction has
+    /// committed, then at least once. Default unset: on for `rabbitmq`, off
+    /// for `in_process`. Off, a staged message is published right after the
+    /// commit (a crash in between loses it); in process, it reaches the
+    /// handlers after the commit. See [`Settings::is_outbox_enabled`].
+    pub enable_outbox: Option<bool>,
     /// `connect_timeout`: how long the start keeps trying to reach the
     /// broker (each failed attempt is a WARN naming it) before it fails;
     /// also the longest one connection attempt may take later, when a
@@ -85,6 +92,7 @@ impl Default for MessageBusSettings {
             amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             exchange: String::new(),
             enable_inbox: None,
+            enable_outbox: None,
             connect_timeout: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(30),
         }
@@ -98,6 +106,7 @@ impl std::fmt::Debug for MessageBusSettings {
             .field("amqp_url", &redact(&self.amqp_url))
             .field("exchange", &self.exchange)
             .field("enable_inbox", &self.enable_inbox)
+            .field("enable_outbox", &self.enable_outbox)
             .field("connect_timeout", &self.connect_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
             .finish()
@@ -566,6 +575,15 @@ impl Settings {
             .unwrap_or(self.message_bus.provider != Provider::InProcess)
     }
 
+    /// Whether staged messages go through `outbox_messages`: an explicit
+    /// `message_bus.enable_outbox` wins both ways; unset resolves on for
+    /// `rabbitmq` and off for `in_process`, as the inbox does.
+    pub fn is_outbox_enabled(&self) -> bool {
+        self.message_bus
+            .enable_outbox
+            .unwrap_or(self.message_bus.provider != Provider::InProcess)
+    }
+
     /// Where the broker is, for logs and errors: `host:port`, then
     /// `/vhost` unless it is the default `/`; never the password.
     pub fn broker_endpoint(&self) -> String {
@@ -916,6 +934,14 @@ mod tests {
                 with_bus(provider, explicit).is_inbox_enabled(),
                 expected,
                 "provider {provider:?}, enable_inbox {explicit:?}"
+            );
+            let mut outbox = Settings::default();
+            outbox.message_bus.provider = provider;
+            outbox.message_bus.enable_outbox = explicit;
+            assert_eq!(
+                outbox.is_outbox_enabled(),
+                expected,
+                "provider {provider:?}, enable_outbox {explicit:?}"
             );
         }
     }

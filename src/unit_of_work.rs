@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
+use crate::outbox::Outgoing;
 
 /// One message's open transaction over a pooled connection. The inbox claim
 /// and every handler's writes run in it and commit together, or not at all.
@@ -66,16 +67,26 @@ pub struct UnitOfWork {
     /// The messages its handlers are handling now, in the order of their
     /// events.
     contexts: Vec<MessageContext>,
+    /// With the outbox off: the messages staged, to hand over after the
+    /// commit.
+    held: Vec<Outgoing>,
+    /// How many were held at the open savepoint.
+    held_at_savepoint: usize,
 }
 
-/// A unit of work's outbox: the exchange its staged messages go to, and the
-/// dispatcher to wake when a commit has staged some.
+/// A unit of work's outbox: the exchange its staged messages go to, the
+/// dispatcher to wake when a commit has staged some, and, with the outbox
+/// off, where they go straight after the commit instead.
 #[derive(Debug, Clone)]
 pub struct Outbox {
     /// `message_bus.exchange`.
     pub exchange: String,
     /// Notified after a commit that staged messages.
     pub wake: std::sync::Arc<tokio::sync::Notify>,
+    /// `None`: staged as rows of `outbox_messages`. `Some`: held in memory
+    /// and handed here once the transaction has committed
+    /// (`message_bus.enable_outbox` off; a crash in between loses them).
+    pub after_commit: Option<tokio::sync::mpsc::UnboundedSender<Outgoing>>,
 }
 
 impl UnitOfWork {
@@ -96,6 +107,8 @@ impl UnitOfWork {
             outbox: None,
             published: 0,
             contexts: Vec::new(),
+            held: Vec::new(),
+            held_at_savepoint: 0,
         };
         uow.client().batch_execute("BEGIN").await?;
         Ok(uow)
@@ -163,6 +176,7 @@ impl UnitOfWork {
         }
         self.savepoints += 1;
         self.staged_at_savepoint.clone_from(&self.staged);
+        self.held_at_savepoint = self.held.len();
         Ok(self)
     }
 
@@ -176,6 +190,7 @@ impl UnitOfWork {
         // Fails when no savepoint was made, before anything is restored.
         self.client().batch_execute(&sql).await?;
         self.staged.clone_from(&self.staged_at_savepoint);
+        self.held.truncate(self.held_at_savepoint);
         Ok(self)
     }
 
@@ -259,19 +274,45 @@ impl UnitOfWork {
                 message.id
             )));
         };
-        let body = message.to_json()?;
-        let exchange = outbox.exchange.clone();
-        let headers: serde_json::Map<String, serde_json::Value> = cause
-            .map(|cause| cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v.into())))
-            .into_iter()
-            .flatten()
-            .collect();
+        let outgoing = Outgoing {
+            message_id: message.id,
+            exchange: outbox.exchange.clone(),
+            routing_key: routing_key.to_owned(),
+            message_type: E::TYPE.to_owned(),
+            headers: cause
+                .map(|cause| cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v)))
+                .into_iter()
+                .flatten()
+                .collect(),
+            body: message.to_json()?,
+        };
+        if outbox.after_commit.is_some() {
+            self.held.push(outgoing);
+            return Ok(());
+        }
+        let Outgoing {
+            message_id,
+            exchange,
+            routing_key,
+            message_type,
+            headers,
+            body,
+        } = outgoing;
+        let headers: serde_json::Map<String, serde_json::Value> =
+            headers.into_iter().map(|(k, v)| (k, v.into())).collect();
         let headers = serde_json::Value::Object(headers).to_string();
         self.client()
             .execute(
                 "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
                  VALUES ($1, $2, $3, $4, $5::text::jsonb, $6)",
-                &[&message.id, &exchange, &routing_key, &E::TYPE, &headers, &body],
+                &[
+                    &message_id,
+                    &exchange,
+                    &routing_key,
+                    &message_type,
+                    &headers,
+                    &body,
+                ],
             )
             .await?;
         self.published += 1;
@@ -302,9 +343,11 @@ impl UnitOfWork {
         self.nested_scopes += 1;
         let name = format!("n{}", self.nested_scopes);
         self.client().batch_execute(&format!("SAVEPOINT {name}")).await?;
+        let held = self.held.len();
         Ok(Nested {
             uow: self,
             name,
+            held,
             open: true,
         })
     }
@@ -319,10 +362,17 @@ impl UnitOfWork {
         match self.client().batch_execute("SELECT 1; COMMIT").await {
             Ok(()) => {
                 self.finished = true;
-                if self.published > 0
-                    && let Some(outbox) = &self.outbox
-                {
-                    outbox.wake.notify_one();
+                if let Some(outbox) = &self.outbox {
+                    match &outbox.after_commit {
+                        // Handed over only now: never before the commit.
+                        Some(after_commit) => {
+                            for outgoing in self.held.drain(..) {
+                                let _ = after_commit.send(outgoing);
+                            }
+                        }
+                        None if self.published > 0 => outbox.wake.notify_one(),
+                        None => {}
+                    }
                 }
                 Ok(())
             }
@@ -359,6 +409,8 @@ impl Drop for UnitOfWork {
 pub struct Nested<'a> {
     uow: &'a mut UnitOfWork,
     name: String,
+    /// Messages held (outbox off) when the scope opened.
+    held: usize,
     /// Neither released nor rolled back yet.
     open: bool,
 }
@@ -376,6 +428,8 @@ impl Nested<'_> {
     /// message's transaction goes on.
     pub async fn rollback(mut self) -> Result<()> {
         self.open = false;
+        let held = self.held;
+        self.uow.held.truncate(held);
         let sql = format!("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}", self.name);
         self.uow.client().batch_execute(&sql).await?;
         Ok(())
@@ -399,6 +453,8 @@ impl DerefMut for Nested<'_> {
 impl Drop for Nested<'_> {
     fn drop(&mut self) {
         if self.open {
+            let held = self.held;
+            self.uow.held.truncate(held);
             // Cannot await here: handed to the connection now, it runs
             // before the next statement (see `UnitOfWork::savepoint`). A
             // failure shows there, as an aborted transaction.

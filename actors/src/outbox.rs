@@ -1,6 +1,7 @@
 //! [`OutboxActor`]: publishes what committed transactions staged.
 //!
-//! Owns the outbox's broker connection (its own [`AmqpPublisher`]). Runs
+//! Owns where the rows go: over a broker, a connection of its own; in
+//! process, the handlers (a [`Publisher`] either way). Runs
 //! [`inbox::dispatch`] rounds: at once when a commit that staged messages
 //! wakes it (through the [`Outbox`]'s `Notify`, so the latency is that of
 //! one publish), again while rounds come back full, and every
@@ -15,8 +16,10 @@ use std::sync::Arc;
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::deadpool_postgres::Pool;
-use inbox::{AmqpPublisher, Outbox, OutboxSettings};
+use inbox::{Outbox, OutboxSettings};
 use tokio::sync::watch;
+
+use crate::publisher::Publisher;
 
 /// Stop dispatching once the round in progress is done (shutdown).
 #[derive(Message)]
@@ -26,7 +29,9 @@ pub(crate) struct StopDispatching;
 /// Dispatches the outbox of one database.
 pub(crate) struct OutboxActor {
     pool: Pool,
-    publisher: AmqpPublisher,
+    /// Where rows go: the broker over a connection of the outbox's own, or
+    /// the handlers in process.
+    sink: Publisher,
     settings: OutboxSettings,
     outbox: Outbox,
     /// Set to `true` to stop; the dispatch loop watches it.
@@ -36,15 +41,10 @@ pub(crate) struct OutboxActor {
 }
 
 impl OutboxActor {
-    pub(crate) fn new(
-        pool: Pool,
-        publisher: AmqpPublisher,
-        settings: OutboxSettings,
-        outbox: Outbox,
-    ) -> Self {
+    pub(crate) fn new(pool: Pool, sink: Publisher, settings: OutboxSettings, outbox: Outbox) -> Self {
         Self {
             pool,
-            publisher,
+            sink,
             settings,
             outbox,
             stop: watch::channel(false).0,
@@ -57,7 +57,7 @@ impl Actor for OutboxActor {
     type Context = Context<Self>;
 
     fn started(&mut self, _ctx: &mut Context<Self>) {
-        let (pool, publisher, settings) = (self.pool.clone(), self.publisher.clone(), self.settings.clone());
+        let (pool, sink, settings) = (self.pool.clone(), self.sink.clone(), self.settings.clone());
         let wake = Arc::clone(&self.outbox.wake);
         let mut stop = self.stop.subscribe();
         let (done, ended) = tokio::sync::oneshot::channel();
@@ -66,7 +66,7 @@ impl Actor for OutboxActor {
             while !*stop.borrow() {
                 // A panic fails the round, never the loop: the claimed rows
                 // roll back with their connection and come due again.
-                let round = AssertUnwindSafe(inbox::dispatch(&pool, &publisher, &settings)).catch_unwind();
+                let round = AssertUnwindSafe(inbox::dispatch(&pool, &sink, &settings)).catch_unwind();
                 match round.await {
                     // A full round: more may be due at once.
                     Ok(Ok(report)) if report.claimed == settings.batch_size as usize => continue,
@@ -93,12 +93,12 @@ impl actix::Handler<StopDispatching> for OutboxActor {
     fn handle(&mut self, _: StopDispatching, _ctx: &mut Context<Self>) -> Self::Result {
         let _ = self.stop.send(true);
         let ended = self.ended.take();
-        let publisher = self.publisher.clone();
+        let sink = self.sink.clone();
         Box::pin(async move {
             if let Some(ended) = ended {
                 let _ = ended.await;
             }
-            if let Err(e) = publisher.close().await {
+            if let Err(e) = sink.close().await {
                 tracing::debug!(error = %e, "closing the outbox connection failed");
             }
         })

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use actix::Recipient;
-use inbox::{AmqpPublisher, Envelope, Error, IntegrationEvent, Message, Outcome, Result};
+use futures_util::future::BoxFuture;
+use inbox::{AmqpPublisher, Envelope, Error, IntegrationEvent, Message, Outcome, Outgoing, Result, Sink};
 
 use crate::dedup::Deliver;
 use crate::stats::{Counter, Stats};
@@ -73,6 +74,18 @@ impl Publisher {
             } => (dedup, consumer, stats),
         };
         let envelope = Envelope::from_message(message, consumer)?;
+        Self::deliver(dedup, consumer, stats, envelope).await
+    }
+
+    /// Hands `envelope`'s message to the handlers, in process, counts the
+    /// outcome, and says why if they did not take it.
+    async fn deliver(
+        dedup: &Recipient<Deliver>,
+        consumer: &Arc<str>,
+        stats: &Stats,
+        envelope: Envelope,
+    ) -> Result<()> {
+        let message_id = envelope.message_id;
         let deliver = Deliver {
             consumer: Arc::clone(consumer),
             envelope: Arc::new(envelope),
@@ -93,10 +106,7 @@ impl Publisher {
         stats.add(counter);
         match refused {
             None => Ok(()),
-            Some(reason) => Err(Error::Abandoned {
-                message_id: message.id,
-                reason,
-            }),
+            Some(reason) => Err(Error::Abandoned { message_id, reason }),
         }
     }
 
@@ -105,6 +115,26 @@ impl Publisher {
         match &self.way {
             Way::Amqp(publisher) => publisher.close().await,
             Way::InProcess { .. } => Ok(()),
+        }
+    }
+}
+
+/// What the outbox dispatches goes where this publisher sends: the broker,
+/// with confirms, or the handlers in process.
+impl Sink for Publisher {
+    fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>> {
+        match &self.way {
+            Way::Amqp(publisher) => publisher.send(outgoing),
+            Way::InProcess {
+                dedup,
+                consumer,
+                stats,
+            } => Box::pin(Self::deliver(
+                dedup,
+                consumer,
+                stats,
+                Envelope::from_outgoing(outgoing, consumer),
+            )),
         }
     }
 }

@@ -154,11 +154,28 @@ impl RuntimeBuilder {
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
             .collect();
         let stats = Arc::new(Stats::default());
-        // Over a broker, units of work can stage messages; the dispatcher
-        // starts with the broker connection.
-        let outbox = (settings.message_bus.provider == Provider::Rabbitmq).then(|| Outbox {
+        // Units of work stage what they publish: as rows the dispatcher
+        // sends once committed, or, with the outbox off, held until the
+        // commit and handed over then.
+        let outbox_on = settings.is_outbox_enabled();
+        if settings.message_bus.provider == Provider::Rabbitmq && !outbox_on {
+            tracing::warn!(
+                "message_bus.enable_outbox is false on a rabbitmq host: what units of work publish is sent right \
+                 after their commit, and a crash in between loses it. The outbox_messages table already exists, \
+                 so turning the outbox on is a settings change and a restart."
+            );
+        }
+        let (after_commit, held) = match outbox_on {
+            true => (None, None),
+            false => {
+                let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+                (Some(sender), Some(receiver))
+            }
+        };
+        let outbox = Some(Outbox {
             exchange: settings.message_bus.exchange.clone(),
             wake: Arc::new(Notify::new()),
+            after_commit,
         });
         let dedup = {
             let (pool, stats, outbox) = (pool.clone(), Arc::clone(&stats), outbox.clone());
@@ -191,17 +208,25 @@ impl RuntimeBuilder {
             retention,
             stats,
         };
-        if runtime.settings.message_bus.provider == Provider::Rabbitmq {
-            match runtime.connect_broker().await {
-                Ok(runtime) => Ok(runtime),
+        let mut runtime = if runtime.settings.message_bus.provider == Provider::Rabbitmq {
+            match runtime.connect_broker(outbox_on).await {
+                Ok(runtime) => runtime,
                 Err((runtime, e)) => {
                     runtime.shutdown().await;
-                    Err(e)
+                    return Err(e);
                 }
             }
         } else {
-            Ok(runtime)
+            runtime
+        };
+        match held {
+            // The outbox is off: what a commit hands over goes out now.
+            Some(held) => hand_over(held, runtime.publisher.clone()),
+            // In process, the handlers take the rows.
+            None if runtime.dispatcher.is_none() => runtime.start_dispatcher(runtime.publisher.clone()),
+            None => {}
         }
+        Ok(runtime)
     }
 }
 
@@ -283,7 +308,7 @@ impl Runtime {
 
     /// Connects the publisher, declares the exchange and every queue's
     /// topology. On failure, hands the runtime back for a shutdown.
-    async fn connect_broker(mut self) -> std::result::Result<Self, (Self, Error)> {
+    async fn connect_broker(mut self, outbox_on: bool) -> std::result::Result<Self, (Self, Error)> {
         let declared = async {
             // Publishing has a connection of its own; each queue has another.
             let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
@@ -293,22 +318,32 @@ impl Runtime {
                 inbox::amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
             }
             let _ = channel.close(200, "declared".into()).await;
-            let dispatching = inbox::AmqpPublisher::connect(&self.settings, "inbox outbox").await?;
+            // The outbox dispatches over a connection of its own.
+            let dispatching = match outbox_on {
+                true => Some(inbox::AmqpPublisher::connect(&self.settings, "inbox outbox").await?),
+                false => None,
+            };
             Ok::<_, Error>((publisher, dispatching))
         };
         match declared.await {
             Ok((publisher, dispatching)) => {
                 self.publisher = Publisher::amqp(publisher);
-                if let Some(outbox) = &self.outbox {
-                    let (pool, settings, outbox) =
-                        (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
-                    self.dispatcher = Some(Supervisor::start(move |_| {
-                        OutboxActor::new(pool, dispatching, settings, outbox)
-                    }));
+                if let Some(dispatching) = dispatching {
+                    self.start_dispatcher(Publisher::amqp(dispatching));
                 }
                 Ok(self)
             }
             Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Starts the outbox's dispatcher, sending to `sink`.
+    fn start_dispatcher(&mut self, sink: Publisher) {
+        if let Some(outbox) = &self.outbox {
+            let (pool, settings, outbox) = (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
+            self.dispatcher = Some(Supervisor::start(move |_| {
+                OutboxActor::new(pool, sink, settings, outbox)
+            }));
         }
     }
 
@@ -457,6 +492,23 @@ impl Runtime {
         self.pool.close();
         tracing::info!(stats = ?self.stats.snapshot(), "runtime stopped");
     }
+}
+
+/// With the outbox off: sends what each commit hands over, as it comes. A
+/// message the broker (or the handlers) do not take is lost, and said so.
+fn hand_over(mut held: tokio::sync::mpsc::UnboundedReceiver<inbox::Outgoing>, sink: Publisher) {
+    use inbox::Sink;
+    actix_rt::spawn(async move {
+        while let Some(outgoing) = held.recv().await {
+            if let Err(e) = sink.send(&outgoing).await {
+                tracing::error!(
+                    message_id = %outgoing.message_id,
+                    error = %e,
+                    "a message published after its commit was not taken, and is lost: the outbox is off"
+                );
+            }
+        }
+    });
 }
 
 /// A future that resolves on SIGINT or SIGTERM (Ctrl-C elsewhere); the

@@ -320,3 +320,72 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
     }
     connection.close(200, "done".into()).await.unwrap();
 }
+
+#[actix_rt::test]
+async fn in_process_a_staged_message_reaches_the_handlers_after_the_commit_never_before() {
+    for enable_outbox in [None, Some(true)] {
+        let env = TestEnv::new("outbox_in_process").await;
+        let mut settings = env.settings();
+        settings.message_bus.provider = inbox::Provider::InProcess;
+        settings.message_bus.enable_outbox = enable_outbox;
+        let runtime = Runtime::builder(settings.valid())
+            .handler(crate::support::Count)
+            .start()
+            .await
+            .unwrap();
+        let mut uow = runtime.unit_of_work().await.unwrap();
+        uow.publish("ignored in process", &Message::new(Counted { key: 5 }))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert_eq!(
+            env.count("counts", 5).await,
+            0,
+            "{enable_outbox:?}: not before the commit"
+        );
+        uow.commit().await.unwrap();
+        wait_until("the handler counts it", || async {
+            env.count("counts", 5).await == 1
+        })
+        .await;
+        let rows = env.scalar("SELECT count(*) FROM outbox_messages").await;
+        runtime.shutdown().await;
+        assert_eq!(rows, 0, "{enable_outbox:?}: no row left");
+    }
+}
+
+#[actix_rt::test]
+async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_commit() {
+    let mut env = TestEnv::new("outbox_off").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let logs = crate::support::Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    settings.message_bus.enable_outbox = Some(false);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM outbox_messages").await,
+        0,
+        "held in memory, not staged"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(env.ready(&forward).await, 0, "not before the commit");
+    uow.commit().await.unwrap();
+    wait_until("it arrives", || async { env.ready(&forward).await == 1 }).await;
+    runtime.shutdown().await;
+    let warnings = logs
+        .text()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("enable_outbox"))
+        .count();
+    assert_eq!(warnings, 1, "{}", logs.text());
+}
