@@ -100,6 +100,10 @@ pub struct DispatchReport {
     pub failed: usize,
     /// Failed for the last allowed time: parked as dead.
     pub dead: usize,
+    /// Rows waiting to be dispatched after this round (dead ones aside).
+    pub pending: u64,
+    /// How long the oldest of them has waited since it was staged.
+    pub oldest_pending: Option<Duration>,
 }
 
 /// One round: claims up to `outbox.batch_size` due rows in staging order,
@@ -124,6 +128,7 @@ pub async fn dispatch(pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -
         ..DispatchReport::default()
     };
     if rows.is_empty() {
+        backlog(&tx, &mut report).await?;
         tx.commit().await?;
         return Ok(report);
     }
@@ -176,9 +181,27 @@ pub async fn dispatch(pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -
         tx.execute("DELETE FROM outbox_messages WHERE seq = ANY($1)", &[&confirmed])
             .await?;
     }
-    tx.commit().await?;
     report.dispatched = confirmed.len();
+    backlog(&tx, &mut report).await?;
+    tx.commit().await?;
     Ok(report)
+}
+
+/// What is left to dispatch, for the stats: rows other transactions hold
+/// count too.
+async fn backlog(tx: &deadpool_postgres::Transaction<'_>, report: &mut DispatchReport) -> Result<()> {
+    let row = tx
+        .query_one(
+            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8
+             FROM outbox_messages WHERE dead_at IS NULL",
+            &[],
+        )
+        .await?;
+    report.pending = u64::try_from(row.get::<_, i64>(0)).unwrap_or(0);
+    report.oldest_pending = row
+        .get::<_, Option<f64>>(1)
+        .map(|seconds| Duration::from_secs_f64(seconds.max(0.0)));
+    Ok(())
 }
 
 /// The row's headers: a JSON object of strings, as staging writes them.

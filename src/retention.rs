@@ -1,5 +1,6 @@
-//! Retention: deleting inbox rows older than `retention.days`, in bounded
-//! batches, one instance per database at a time.
+//! Retention: deleting inbox rows, and dead outbox rows, older than
+//! `retention.days`, in bounded batches, one instance per database at a
+//! time (ADR-005: one cleanup for both tables).
 
 use std::time::{Duration, Instant};
 
@@ -8,17 +9,24 @@ use deadpool_postgres::{Object, Pool};
 use crate::error::Result;
 use crate::settings::RetentionSettings;
 
-/// A table the sweep keeps trimmed, and the column that dates its rows. The
-/// outbox adds its table here.
+/// A table the sweep keeps trimmed, and the column that dates its rows (a
+/// row whose column is NULL is never due).
 struct Swept {
     table: &'static str,
     dated_by: &'static str,
 }
 
-const SWEPT: &[Swept] = &[Swept {
-    table: "inbox_messages",
-    dated_by: "processed_at",
-}];
+const SWEPT: &[Swept] = &[
+    Swept {
+        table: "inbox_messages",
+        dated_by: "processed_at",
+    },
+    // Dispatched rows are deleted on confirm; only the dead ones age here.
+    Swept {
+        table: "outbox_messages",
+        dated_by: "dead_at",
+    },
+];
 
 /// Key of the session advisory lock that lets one instance sweep a database
 /// at a time ("inbox.rt" in ASCII).

@@ -20,6 +20,7 @@ use inbox::{Outbox, OutboxSettings};
 use tokio::sync::watch;
 
 use crate::publisher::Publisher;
+use crate::stats::Stats;
 
 /// Stop dispatching once the round in progress is done (shutdown).
 #[derive(Message)]
@@ -34,6 +35,7 @@ pub(crate) struct OutboxActor {
     sink: Publisher,
     settings: OutboxSettings,
     outbox: Outbox,
+    stats: Arc<Stats>,
     /// Set to `true` to stop; the dispatch loop watches it.
     stop: watch::Sender<bool>,
     /// Resolves when the dispatch loop has ended.
@@ -41,12 +43,19 @@ pub(crate) struct OutboxActor {
 }
 
 impl OutboxActor {
-    pub(crate) fn new(pool: Pool, sink: Publisher, settings: OutboxSettings, outbox: Outbox) -> Self {
+    pub(crate) fn new(
+        pool: Pool,
+        sink: Publisher,
+        settings: OutboxSettings,
+        outbox: Outbox,
+        stats: Arc<Stats>,
+    ) -> Self {
         Self {
             pool,
             sink,
             settings,
             outbox,
+            stats,
             stop: watch::channel(false).0,
             ended: None,
         }
@@ -58,6 +67,7 @@ impl Actor for OutboxActor {
 
     fn started(&mut self, _ctx: &mut Context<Self>) {
         let (pool, sink, settings) = (self.pool.clone(), self.sink.clone(), self.settings.clone());
+        let stats = Arc::clone(&self.stats);
         let wake = Arc::clone(&self.outbox.wake);
         let mut stop = self.stop.subscribe();
         let (done, ended) = tokio::sync::oneshot::channel();
@@ -68,9 +78,13 @@ impl Actor for OutboxActor {
                 // roll back with their connection and come due again.
                 let round = AssertUnwindSafe(inbox::dispatch(&pool, &sink, &settings)).catch_unwind();
                 match round.await {
-                    // A full round: more may be due at once.
-                    Ok(Ok(report)) if report.claimed == settings.batch_size as usize => continue,
-                    Ok(Ok(_)) => {}
+                    Ok(Ok(report)) => {
+                        stats.record_dispatch(&report);
+                        // A full round: more may be due at once.
+                        if report.claimed == settings.batch_size as usize {
+                            continue;
+                        }
+                    }
                     Ok(Err(e)) => tracing::warn!(error = %e, "outbox dispatch failed; trying again"),
                     Err(_) => tracing::error!("outbox dispatch panicked; trying again"),
                 }

@@ -341,8 +341,9 @@ impl Runtime {
     fn start_dispatcher(&mut self, sink: Publisher) {
         if let Some(outbox) = &self.outbox {
             let (pool, settings, outbox) = (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
+            let stats = Arc::clone(&self.stats);
             self.dispatcher = Some(Supervisor::start(move |_| {
-                OutboxActor::new(pool, sink, settings, outbox)
+                OutboxActor::new(pool, sink, settings, outbox, stats)
             }));
         }
     }

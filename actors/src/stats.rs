@@ -27,6 +27,11 @@ pub struct Stats {
     sweeps_skipped: AtomicU64,
     swept_rows: AtomicU64,
     longest_sweep_batch_micros: AtomicU64,
+    outbox_dispatched: AtomicU64,
+    outbox_failed: AtomicU64,
+    outbox_dead: AtomicU64,
+    outbox_pending: AtomicU64,
+    outbox_oldest_pending_millis: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
@@ -72,6 +77,17 @@ pub struct StatsSnapshot {
     pub swept_rows: u64,
     /// The slowest delete batch of any sweep, in microseconds.
     pub longest_sweep_batch_micros: u64,
+    /// Staged messages the outbox published, confirmed and deleted.
+    pub outbox_dispatched: u64,
+    /// Publishes of staged messages that failed (each is tried again later).
+    pub outbox_failed: u64,
+    /// Staged messages parked as dead after their last attempt.
+    pub outbox_dead: u64,
+    /// Staged messages waiting to be dispatched, as of the last round.
+    pub outbox_pending: u64,
+    /// How long the oldest of them had waited, as of the last round, in
+    /// milliseconds (0 when none waits).
+    pub outbox_oldest_pending_millis: u64,
 }
 
 /// One of the counters.
@@ -110,6 +126,11 @@ impl Default for Stats {
             sweeps_skipped: AtomicU64::new(0),
             swept_rows: AtomicU64::new(0),
             longest_sweep_batch_micros: AtomicU64::new(0),
+            outbox_dispatched: AtomicU64::new(0),
+            outbox_failed: AtomicU64::new(0),
+            outbox_dead: AtomicU64::new(0),
+            outbox_pending: AtomicU64::new(0),
+            outbox_oldest_pending_millis: AtomicU64::new(0),
             latency: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -172,6 +193,20 @@ impl Stats {
             .fetch_max(micros, Ordering::Relaxed);
     }
 
+    pub(crate) fn record_dispatch(&self, report: &inbox::DispatchReport) {
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        self.outbox_dispatched
+            .fetch_add(count(report.dispatched), Ordering::Relaxed);
+        self.outbox_failed
+            .fetch_add(count(report.failed + report.dead), Ordering::Relaxed);
+        self.outbox_dead.fetch_add(count(report.dead), Ordering::Relaxed);
+        self.outbox_pending.store(report.pending, Ordering::Relaxed);
+        let oldest = report
+            .oldest_pending
+            .map_or(0, |age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+        self.outbox_oldest_pending_millis.store(oldest, Ordering::Relaxed);
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         let read = |cell: &AtomicU64| cell.load(Ordering::Relaxed);
@@ -192,6 +227,11 @@ impl Stats {
             sweeps_skipped: read(&self.sweeps_skipped),
             swept_rows: read(&self.swept_rows),
             longest_sweep_batch_micros: read(&self.longest_sweep_batch_micros),
+            outbox_dispatched: read(&self.outbox_dispatched),
+            outbox_failed: read(&self.outbox_failed),
+            outbox_dead: read(&self.outbox_dead),
+            outbox_pending: read(&self.outbox_pending),
+            outbox_oldest_pending_millis: read(&self.outbox_oldest_pending_millis),
         }
     }
 }

@@ -154,7 +154,18 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
             == 1
     })
     .await;
+    let stats = runtime.stats();
     runtime.shutdown().await;
+    assert_eq!(
+        (
+            stats.outbox_dispatched,
+            stats.outbox_failed,
+            stats.outbox_dead,
+            stats.outbox_pending
+        ),
+        (3, 2, 1, 0),
+        "{stats:?}"
+    );
     let row = env
         .db()
         .await
@@ -388,4 +399,31 @@ async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_c
         .filter(|l| l.contains("WARN") && l.contains("enable_outbox"))
         .count();
     assert_eq!(warnings, 1, "{}", logs.text());
+}
+
+#[actix_rt::test]
+async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
+    let env = TestEnv::new("outbox_retention").await;
+    let settings = env.settings();
+    let pool = inbox::create_pool(&settings).unwrap();
+    inbox::run_migrations(&mut pool.get().await.unwrap())
+        .await
+        .unwrap();
+    env.db()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body, dead_at)
+             VALUES (gen_random_uuid(), '', 'q', 'T', '\\x7b7d', now() - interval '8 days'),
+                    (gen_random_uuid(), '', 'q', 'T', '\\x7b7d', now() - interval '1 day'),
+                    (gen_random_uuid(), '', 'q', 'T', '\\x7b7d', NULL)",
+        )
+        .await
+        .unwrap();
+    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    assert_eq!(report.rows, 1, "{report:?}");
+    let left = env
+        .scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NULL OR dead_at > now() - interval '2 days'")
+        .await;
+    assert_eq!(left, 2, "the recent dead row and the pending one stay");
+    pool.close();
 }
