@@ -2,12 +2,14 @@
 //! fault that sent them there is fixed.
 //!
 //! ```text
-//! cargo run --example replay -- [--queue NAME] [--from error|skipped] [--message-id UUID]...
+//! cargo run --example replay -- [--queue NAME] [--from error|skipped|outbox] [--message-id UUID]...
 //! ```
 //!
 //! Without `--message-id`, every message in `NAME.error` (or, with `--from
 //! skipped`, `NAME.skipped`) goes back; with it, only those, and the others
-//! stay where they were, in their order. Each keeps its `message_id`, so one that was processed after
+//! stay where they were, in their order. `--from outbox` gives the outbox's
+//! dead rows (those that failed `outbox.max_attempts` publishes) another
+//! round of attempts, in the service's database. Each keeps its `message_id`, so one that was processed after
 //! all is skipped by the inbox, as long as it comes back within
 //! `retention.days`. Honours `AMQP_URL` and the settings in `config/`.
 
@@ -40,16 +42,23 @@ async fn run() -> inbox::Result<()> {
             only.insert(id);
         }
     }
+    let settings = common::settings()?;
     let from = match common::arg("--from").as_deref() {
         None | Some("error") => SetAside::Error,
         Some("skipped") => SetAside::Skipped,
+        Some("outbox") => {
+            let pool = inbox::create_pool(&settings)?;
+            let only = (!only.is_empty()).then_some(&only);
+            let revived = inbox::outbox::retry_dead(&pool, only).await?;
+            println!("from=outbox revived={revived}");
+            return Ok(());
+        }
         Some(other) => {
             return Err(inbox::Error::Runtime(format!(
-                "--from `{other}`: expected `error` or `skipped`"
+                "--from `{other}`: expected `error`, `skipped` or `outbox`"
             )));
         }
     };
-    let settings = common::settings()?;
     let queue = &settings.queues[0].name;
     let connection = amqp::connect(&settings, "inbox replay").await?;
     let report = amqp::replay(&connection, queue, from, (!only.is_empty()).then_some(&only)).await?;

@@ -19,6 +19,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_messages",
         include_str!("migrations/0002_outbox_messages.sql"),
     ),
+    (
+        3,
+        "outbox_notify",
+        include_str!("migrations/0003_outbox_notify.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -221,3 +221,77 @@ fn headers(json: &str) -> Vec<(String, String)> {
 fn millis(pause: Duration) -> f64 {
     pause.as_secs_f64() * 1000.0
 }
+
+/// The channel a commit that staged outbox rows notifies (migration 3).
+pub const CHANNEL: &str = "inbox_outbox";
+
+/// Listens on [`CHANNEL`] over a connection of its own (not the pool's:
+/// it waits for notifications all along) and calls `wake` for each, until
+/// `stop` resolves. A lost connection is opened again with a growing pause;
+/// the dispatcher's poll covers the gap.
+pub async fn listen(
+    config: tokio_postgres::Config,
+    wake: impl Fn() + Send + 'static,
+    stop: impl std::future::Future<Output = ()> + Send,
+) {
+    use futures_util::StreamExt;
+    let listening = async {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        loop {
+            match config.connect(tokio_postgres::NoTls).await {
+                Ok((client, mut connection)) => {
+                    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+                    // The LISTEN's answer comes through the connection,
+                    // which only the stream below drives.
+                    let listen = client.batch_execute("LISTEN inbox_outbox");
+                    let mut listen = std::pin::pin!(listen);
+                    let mut listening = false;
+                    loop {
+                        tokio::select! {
+                            result = &mut listen, if !listening => match result {
+                                Ok(()) => {
+                                    listening = true;
+                                    // Rows committed meanwhile: look now.
+                                    wake();
+                                }
+                                Err(_) => break,
+                            },
+                            message = messages.next() => match message {
+                                Some(Ok(tokio_postgres::AsyncMessage::Notification(_))) => wake(),
+                                Some(Ok(_)) => {}
+                                Some(Err(_)) | None => break,
+                            },
+                        }
+                    }
+                    tracing::debug!("the outbox's LISTEN connection ended; opening another");
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot open the outbox's LISTEN connection"),
+            }
+            tokio::time::sleep(backoff.next_pause()).await;
+        }
+    };
+    tokio::select! {
+        () = listening => {}
+        () = stop => {}
+    }
+}
+
+/// Gives dead rows another chance (all of them, or those whose
+/// `message_id` is in `only`): their attempts start over and they are due
+/// now. Returns how many. A running dispatcher is woken.
+pub async fn retry_dead(pool: &Pool, only: Option<&std::collections::HashSet<Uuid>>) -> Result<u64> {
+    let ids: Option<Vec<Uuid>> = only.map(|ids| ids.iter().copied().collect());
+    let connection = pool.get().await?;
+    let revived = connection
+        .execute(
+            "UPDATE outbox_messages
+             SET dead_at = NULL, attempts = 0, next_attempt_at = now(), last_error = NULL
+             WHERE dead_at IS NOT NULL AND ($1::uuid[] IS NULL OR message_id = ANY($1))",
+            &[&ids],
+        )
+        .await?;
+    connection
+        .execute("SELECT pg_notify($1, '')", &[&CHANNEL])
+        .await?;
+    Ok(revived)
+}

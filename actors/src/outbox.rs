@@ -4,7 +4,8 @@
 //! process, the handlers (a [`Publisher`] either way). Runs
 //! [`inbox::dispatch`] rounds: at once when a commit that staged messages
 //! wakes it (through the [`Outbox`]'s `Notify`, so the latency is that of
-//! one publish), again while rounds come back full, and every
+//! one publish), when PostgreSQL notifies that another process committed
+//! rows (`LISTEN inbox_outbox`), again while rounds come back full, and every
 //! `outbox.poll_interval` for rows of other processes and retries coming
 //! due. Receives `StopDispatching` at shutdown: the round in progress
 //! finishes, no other starts. A round that fails (the database or the
@@ -36,6 +37,8 @@ pub(crate) struct OutboxActor {
     settings: OutboxSettings,
     outbox: Outbox,
     stats: Arc<Stats>,
+    /// The database, for the LISTEN connection.
+    listen_to: Option<inbox::tokio_postgres::Config>,
     /// Set to `true` to stop; the dispatch loop watches it.
     stop: watch::Sender<bool>,
     /// Resolves when the dispatch loop has ended.
@@ -49,6 +52,7 @@ impl OutboxActor {
         settings: OutboxSettings,
         outbox: Outbox,
         stats: Arc<Stats>,
+        listen_to: Option<inbox::tokio_postgres::Config>,
     ) -> Self {
         Self {
             pool,
@@ -56,6 +60,7 @@ impl OutboxActor {
             settings,
             outbox,
             stats,
+            listen_to,
             stop: watch::channel(false).0,
             ended: None,
         }
@@ -72,6 +77,18 @@ impl Actor for OutboxActor {
         let mut stop = self.stop.subscribe();
         let (done, ended) = tokio::sync::oneshot::channel();
         self.ended = Some(ended);
+        // Rows other processes commit wake it through LISTEN/NOTIFY.
+        if let Some(config) = self.listen_to.clone() {
+            let notified = Arc::clone(&wake);
+            let mut stopped = self.stop.subscribe();
+            actix_rt::spawn(inbox::outbox::listen(
+                config,
+                move || notified.notify_one(),
+                async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                },
+            ));
+        }
         actix_rt::spawn(async move {
             while !*stop.borrow() {
                 // A panic fails the round, never the loop: the claimed rows

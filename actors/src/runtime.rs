@@ -342,8 +342,9 @@ impl Runtime {
         if let Some(outbox) = &self.outbox {
             let (pool, settings, outbox) = (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
             let stats = Arc::clone(&self.stats);
+            let listen_to = self.settings.pg_config().ok();
             self.dispatcher = Some(Supervisor::start(move |_| {
-                OutboxActor::new(pool, sink, settings, outbox, stats)
+                OutboxActor::new(pool, sink, settings, outbox, stats, listen_to)
             }));
         }
     }

@@ -134,7 +134,7 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
         .await
         .unwrap();
     let mut uow = runtime.unit_of_work().await.unwrap();
-    let nowhere = format!("{}.nowhere", env.queue);
+    let nowhere = env.another_queue("nowhere");
     uow.publish(&nowhere, &Message::new(Counted { key: 0 }))
         .await
         .unwrap();
@@ -155,7 +155,6 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
     })
     .await;
     let stats = runtime.stats();
-    runtime.shutdown().await;
     assert_eq!(
         (
             stats.outbox_dispatched,
@@ -175,6 +174,21 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
     let (attempts, error): (i32, String) = (row.get(0), row.get(1));
     assert_eq!(attempts, 2);
     assert!(error.contains("unroutable"), "{error}");
+
+    // The cause is fixed: the queue exists now. The dead row gets another
+    // round of attempts and leaves.
+    declare_queue(&nowhere).await;
+    let revived = inbox::outbox::retry_dead(runtime.pool(), None).await.unwrap();
+    assert_eq!(revived, 1);
+    wait_until("the revived row arrives", || async {
+        env.ready(&nowhere).await == 1
+    })
+    .await;
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+    runtime.shutdown().await;
 }
 
 #[actix_rt::test]
@@ -426,4 +440,39 @@ async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
         .await;
     assert_eq!(left, 2, "the recent dead row and the pending one stay");
     pool.close();
+}
+
+#[actix_rt::test]
+async fn rows_another_process_commits_wake_the_dispatcher_through_notify() {
+    let mut env = TestEnv::new("outbox_notify").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    // The poll alone would take a minute.
+    settings.outbox.poll_interval = Duration::from_secs(60);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    // Give the LISTEN connection a moment, then stage from elsewhere.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let body = serde_json::to_vec(&Counted { key: 1 }).unwrap();
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+             VALUES (gen_random_uuid(), '', $1, 'Counted', $2)",
+            &[&forward, &body],
+        )
+        .await
+        .unwrap();
+    let arrived = tokio::time::timeout(Duration::from_secs(10), async {
+        while env.ready(&forward).await == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    runtime.shutdown().await;
+    assert!(arrived.is_ok(), "not woken by the notification");
 }
