@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
-//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched] [--repeat 1]
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward] [--repeat 1]
+//! cargo run --release --example throughput -- --outbox 50000
 //! ```
 //!
 //! Every scenario consumes the same pre-published check-in events (a share
@@ -24,6 +25,15 @@
 //!   (`handle_batch`). Their statements lock rows in key order, so every
 //!   batch in flight may run at once (`concurrent_batches`, default
 //!   `prefetch / batch_size`).
+//! - `inbox_on_forward`: the runtime, each message forwarding one
+//!   `CheckinRecorded` through the outbox, the forward queue drained by a
+//!   plain consumer; done when every message is settled and every unique
+//!   one forwarded.
+//!
+//! `--outbox N` measures the outbox alone: N staged rows drained by a
+//! runtime against the same N published with confirms by hand, and the
+//! time from a commit to the message's arrival at a consumer at a steady
+//! 1,000 a second.
 //!
 //! `--hop N` measures, before the scenarios, what one actor hop costs: N
 //! messages sent one after the other to an actor that answers at once
@@ -67,6 +77,7 @@ enum Scenario {
     InboxOff,
     InboxOn,
     InboxOnBatched,
+    InboxOnForward,
 }
 
 impl Scenario {
@@ -77,6 +88,7 @@ impl Scenario {
             Scenario::InboxOff => "inbox_off",
             Scenario::InboxOn => "inbox_on",
             Scenario::InboxOnBatched => "inbox_on_batched",
+            Scenario::InboxOnForward => "inbox_on_forward",
         }
     }
 }
@@ -91,6 +103,7 @@ impl FromStr for Scenario {
             Scenario::InboxOff,
             Scenario::InboxOn,
             Scenario::InboxOnBatched,
+            Scenario::InboxOnForward,
         ]
         .into_iter()
         .find(|s| s.name() == name)
@@ -157,6 +170,9 @@ async fn run() -> Result<()> {
     if common::arg("--hop").is_some() {
         actor_hop(common::parsed_arg("--hop", 100_000)).await?;
     }
+    if common::arg("--outbox").is_some() {
+        return outbox(common::parsed_arg("--outbox", 50_000)).await;
+    }
     let count: usize = common::parsed_arg("--count", 20_000);
     let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
     let prefetch: u16 = common::parsed_arg("--prefetch", 16);
@@ -214,6 +230,9 @@ async fn run() -> Result<()> {
                     for_runtime.queues[0].batch_size = batch_size;
                     for_runtime.queues[0].concurrent_batches = concurrent_batches;
                     runtime(for_runtime, true, count).await?
+                }
+                Scenario::InboxOnForward => {
+                    forwarding(&connection, for_runtime, count, workload.unique).await?
                 }
             };
             let measured = Measured {
@@ -494,6 +513,80 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize) -> Result
     })
 }
 
+/// The runtime forwarding a `CheckinRecorded` per check-in through the
+/// outbox, the forward queue drained by a plain consumer meanwhile; done
+/// once every message is settled and every unique one forwarded.
+async fn forwarding(
+    connection: &Connection,
+    mut settings: Settings,
+    count: usize,
+    unique: usize,
+) -> Result<Measured> {
+    settings.message_bus.enable_inbox = Some(true);
+    settings.database.run_migrations = false;
+    let forward = format!("{}.forward", settings.queues[0].name);
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_declare(
+            forward.as_str().into(),
+            inbox::lapin::options::QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut drain = channel
+        .basic_consume(
+            forward.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let forwarded = Arc::new(AtomicUsize::new(0));
+    let counting = {
+        let forwarded = Arc::clone(&forwarded);
+        tokio::spawn(async move {
+            while let Some(Ok(_)) = drain.next().await {
+                forwarded.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let started = Instant::now();
+    let runtime = Runtime::builder(settings.validate()?)
+        .handler(CountCheckins)
+        .handler(CountAttendance)
+        .handler(common::ForwardCheckins {
+            queue: forward.clone(),
+        })
+        .start()
+        .await?;
+    let stats = runtime.shared_stats();
+    loop {
+        let s = stats.snapshot();
+        if (s.completed + s.duplicates) as usize >= count && forwarded.load(Ordering::Relaxed) >= unique {
+            break;
+        }
+        if s.rejected + s.skipped + s.dead_lettered > 0 {
+            return Err(Error::Runtime(format!("the runtime set messages aside: {s:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    runtime.shutdown().await;
+    counting.abort();
+    channel
+        .queue_delete(forward.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    Ok(Measured {
+        seconds,
+        p50: stats.latency_quantile(0.5).unwrap_or_default(),
+        p99: stats.latency_quantile(0.99).unwrap_or_default(),
+        effects_ok: true,
+    })
+}
+
 /// Whether each unique event counted exactly once in both tables.
 async fn effects_ok(pool: &Pool, unique: usize) -> Result<bool> {
     let row = pool
@@ -547,6 +640,141 @@ async fn actor_hop(round_trips: u64) -> Result<()> {
     println!(
         "actor_hop round_trips={round_trips} micros_per_hop={:.2}",
         elapsed.as_secs_f64() * 1e6 / round_trips.max(1) as f64
+    );
+    Ok(())
+}
+
+/// `--outbox N`: the outbox's own figures, side by side in one run.
+/// - `outbox_drain`: N rows staged beforehand, dispatched by a runtime's
+///   outbox, against `raw_confirmed`: the same N messages published with
+///   confirms, `outbox.batch_size` in flight at a time, by hand.
+/// - `commit_to_arrival`: one message staged and committed every
+///   millisecond for five seconds, timed from its commit to its arrival at
+///   a consumer (an upper bound of commit-to-confirm).
+async fn outbox(rows: usize) -> Result<()> {
+    let mut settings = common::settings()?.into_inner();
+    settings.database.name = Some(DATABASE.into());
+    settings.queues.clear();
+    common::recreate_database(&settings, DATABASE).await?;
+    let pool = inbox::create_pool(&settings)?;
+    inbox::run_migrations(&mut *pool.get().await?).await?;
+    let connection = amqp::connect(&settings, "inbox throughput outbox").await?;
+    let channel = connection.create_channel().await?;
+    let target = format!("throughput.outbox.{}", uuid::Uuid::now_v7());
+    channel
+        .queue_declare(target.as_str().into(), Default::default(), FieldTable::default())
+        .await?;
+    let batch = settings.outbox.batch_size as usize;
+    let body = serde_json::to_vec(&AttendeeCheckedIn {
+        attendee_id: 1,
+        session_id: 1,
+    })
+    .map_err(|e| Error::Runtime(e.to_string()))?;
+
+    // Raw confirmed publishing of the same messages.
+    let publisher = inbox::AmqpPublisher::new(&connection, "").await?;
+    let started = Instant::now();
+    for chunk in 0..rows.div_ceil(batch) {
+        let sends = (0..batch.min(rows - chunk * batch)).map(|_| {
+            let properties = BasicProperties::default()
+                .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                .with_type("AttendeeCheckedIn".into());
+            publisher.publish_raw(&target, properties, &body)
+        });
+        for sent in futures_util::future::join_all(sends).await {
+            sent?;
+        }
+    }
+    let raw = rows as f64 / started.elapsed().as_secs_f64();
+    channel
+        .queue_purge(target.as_str().into(), Default::default())
+        .await?;
+
+    // The same number staged, then drained by a runtime's outbox.
+    pool.get()
+        .await?
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+             SELECT gen_random_uuid(), '', $1, 'AttendeeCheckedIn', $2 FROM generate_series(1::bigint, $3::bigint)",
+            &[&target, &body, &(rows as i64)],
+        )
+        .await?;
+    let started = Instant::now();
+    let runtime = Runtime::builder(settings.clone().validate()?).build().await?;
+    // Watched through the stats: polling the table would compete with the
+    // dispatcher for the database.
+    while runtime.stats().outbox_dispatched < rows as u64 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let drained = rows as f64 / started.elapsed().as_secs_f64();
+    channel
+        .queue_purge(target.as_str().into(), Default::default())
+        .await?;
+
+    // Commit to arrival, at a steady 1,000 a second for five seconds.
+    let base = Instant::now();
+    let mut arrivals = channel
+        .basic_consume(
+            target.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let latencies = Arc::new(Latencies::default());
+    let total = 5_000;
+    let receiving = {
+        let latencies = Arc::clone(&latencies);
+        tokio::spawn(async move {
+            let mut seen = 0;
+            while let Some(Ok(delivery)) = arrivals.next().await {
+                if let Ok(sent) = serde_json::from_slice::<AttendeeCheckedIn>(&delivery.data) {
+                    let committed = Duration::from_micros(u64::try_from(sent.attendee_id).unwrap_or(0));
+                    latencies.record(base.elapsed().saturating_sub(committed)).await;
+                }
+                seen += 1;
+                if seen == total {
+                    break;
+                }
+            }
+        })
+    };
+    let mut every = tokio::time::interval(Duration::from_millis(1));
+    for _ in 0..total {
+        every.tick().await;
+        let mut uow = runtime.unit_of_work().await?;
+        let staged = Message::new(AttendeeCheckedIn {
+            attendee_id: 0,
+            session_id: 0,
+        });
+        uow.publish(&target, &staged).await?;
+        // The commit's instant rides in the body (microseconds since base).
+        let micros = i64::try_from(base.elapsed().as_micros()).unwrap_or(i64::MAX);
+        uow.client()
+            .execute(
+                "UPDATE outbox_messages SET body = convert_to(
+                     json_build_object('attendee_id', $1::bigint, 'session_id', 0)::text, 'UTF8')
+                 WHERE message_id = $2",
+                &[&micros, &staged.id],
+            )
+            .await?;
+        uow.commit().await?;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(30), receiving).await;
+    let (p50, p99) = latencies.quantiles().await;
+    runtime.shutdown().await;
+    channel
+        .queue_delete(target.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    println!(
+        "outbox rows={rows} raw_confirmed_msgs_per_s={raw:.0} outbox_drain_msgs_per_s={drained:.0} \
+         ratio={:.2} commit_to_arrival_p50_ms={:.2} p99_ms={:.2} at=1000/s",
+        drained / raw,
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
     );
     Ok(())
 }

@@ -24,6 +24,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_notify",
         include_str!("migrations/0003_outbox_notify.sql"),
     ),
+    (
+        4,
+        "outbox_pending_by_seq",
+        include_str!("migrations/0004_outbox_pending_by_seq.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -94,37 +94,61 @@ impl Sink for AmqpPublisher {
 pub struct DispatchReport {
     /// Rows claimed.
     pub claimed: usize,
+    /// The highest `seq` claimed: where a next round may start when this
+    /// one was full.
+    pub last_seq: Option<i64>,
     /// Published, confirmed and deleted.
     pub dispatched: usize,
     /// Failed to publish, to be tried again after a pause.
     pub failed: usize,
     /// Failed for the last allowed time: parked as dead.
     pub dead: usize,
-    /// Rows waiting to be dispatched after this round (dead ones aside).
-    pub pending: u64,
+    /// Rows waiting to be dispatched after this round (dead ones aside),
+    /// counted when the round was not full (a full one leaves a backlog
+    /// that costs a scan to count).
+    pub pending: Option<u64>,
     /// How long the oldest of them has waited since it was staged.
     pub oldest_pending: Option<Duration>,
 }
 
-/// One round: claims up to `outbox.batch_size` due rows in staging order,
-/// publishes them (confirms awaited together, sent in order), deletes the
-/// confirmed ones and reschedules or parks the others, in one transaction.
-pub async fn dispatch(pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -> Result<DispatchReport> {
+/// One round: claims up to `outbox.batch_size` due rows in staging order
+/// after `seq` `after` (0 for all), publishes them (confirms awaited
+/// together, sent in order), deletes the confirmed ones and reschedules or
+/// parks the others, in one transaction.
+///
+/// Why `after`: a queue table's deleted rows stay in its index until
+/// vacuumed, and a scan from the start walks past every one of them; a
+/// backlog drained from the start would cost more each round. Rounds that
+/// follow a full one start after it; a round that is not full is followed
+/// by one from the start, which finds rows passed over (retries come due,
+/// rows another instance held).
+pub async fn dispatch(
+    pool: &Pool,
+    sink: &dyn Sink,
+    settings: &OutboxSettings,
+    after: i64,
+) -> Result<DispatchReport> {
     let mut connection = pool.get().await?;
     let tx = connection.transaction().await?;
+    // Losing this transaction's commit in a crash costs a resend with the
+    // same message_id, which the receiving inbox skips: no need to wait for
+    // its flush to disk, which would bound the outbox at one round per
+    // fsync.
+    tx.batch_execute("SET LOCAL synchronous_commit = off").await?;
     let rows = tx
         .query(
             "SELECT seq, message_id, exchange, routing_key, message_type, headers::text AS headers, body, attempts
              FROM outbox_messages
-             WHERE dead_at IS NULL AND next_attempt_at <= now()
+             WHERE dead_at IS NULL AND next_attempt_at <= now() AND seq > $2
              ORDER BY seq
              LIMIT $1
              FOR UPDATE SKIP LOCKED",
-            &[&i64::from(settings.batch_size)],
+            &[&i64::from(settings.batch_size), &after],
         )
         .await?;
     let mut report = DispatchReport {
         claimed: rows.len(),
+        last_seq: rows.last().map(|row| row.get("seq")),
         ..DispatchReport::default()
     };
     if rows.is_empty() {
@@ -182,7 +206,12 @@ pub async fn dispatch(pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -
             .await?;
     }
     report.dispatched = confirmed.len();
-    backlog(&tx, &mut report).await?;
+    // Counting a long backlog costs a scan: only once it is nearly drained.
+    if report.claimed < settings.batch_size as usize {
+        backlog(&tx, &mut report).await?;
+    } else {
+        report.pending = None;
+    }
     tx.commit().await?;
     Ok(report)
 }
@@ -197,7 +226,7 @@ async fn backlog(tx: &deadpool_postgres::Transaction<'_>, report: &mut DispatchR
             &[],
         )
         .await?;
-    report.pending = u64::try_from(row.get::<_, i64>(0)).unwrap_or(0);
+    report.pending = Some(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0));
     report.oldest_pending = row
         .get::<_, Option<f64>>(1)
         .map(|seconds| Duration::from_secs_f64(seconds.max(0.0)));

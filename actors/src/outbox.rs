@@ -90,17 +90,21 @@ impl Actor for OutboxActor {
             ));
         }
         actix_rt::spawn(async move {
+            // Where the next round starts: after a full round, past it.
+            let mut after = 0;
             while !*stop.borrow() {
                 // A panic fails the round, never the loop: the claimed rows
                 // roll back with their connection and come due again.
-                let round = AssertUnwindSafe(inbox::dispatch(&pool, &sink, &settings)).catch_unwind();
+                let round = AssertUnwindSafe(inbox::dispatch(&pool, &sink, &settings, after)).catch_unwind();
                 match round.await {
                     Ok(Ok(report)) => {
                         stats.record_dispatch(&report);
-                        // A full round: more may be due at once.
+                        // A full round: more may be due at once, after it.
                         if report.claimed == settings.batch_size as usize {
+                            after = report.last_seq.unwrap_or(0);
                             continue;
                         }
+                        after = 0;
                     }
                     Ok(Err(e)) => tracing::warn!(error = %e, "outbox dispatch failed; trying again"),
                     Err(_) => tracing::error!("outbox dispatch panicked; trying again"),

@@ -200,11 +200,13 @@ impl Stats {
         self.outbox_failed
             .fetch_add(count(report.failed + report.dead), Ordering::Relaxed);
         self.outbox_dead.fetch_add(count(report.dead), Ordering::Relaxed);
-        self.outbox_pending.store(report.pending, Ordering::Relaxed);
-        let oldest = report
-            .oldest_pending
-            .map_or(0, |age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
-        self.outbox_oldest_pending_millis.store(oldest, Ordering::Relaxed);
+        if let Some(pending) = report.pending {
+            self.outbox_pending.store(pending, Ordering::Relaxed);
+            let oldest = report
+                .oldest_pending
+                .map_or(0, |age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+            self.outbox_oldest_pending_millis.store(oldest, Ordering::Relaxed);
+        }
     }
 
     /// The counters now.
