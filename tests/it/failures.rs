@@ -85,7 +85,12 @@ async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing
         calls: Arc::clone(&calls),
         panic: true,
     };
-    let runtime = Runtime::builder(env.settings().valid())
+    let mut settings = env.settings();
+    // Long enough for the restart after a panic to be done before the
+    // retry reaches the actor: a Restart that arrives while the actor is
+    // still stopping from the last one is no second restart.
+    settings.failure.immediate_backoff = std::time::Duration::from_millis(300);
+    let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .handler(flaky)
         .start()
