@@ -163,17 +163,9 @@ async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
 
 /// Declares the queue follow-ups go to: durable and quorum, idempotently.
 async fn declare_forward_queue(settings: &inbox::Settings, queue: &str) -> inbox::Result<()> {
-    use inbox::lapin::options::QueueDeclareOptions;
-    use inbox::lapin::types::{AMQPValue, FieldTable};
     let connection = inbox::amqp::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-    let options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel.queue_declare(queue.into(), options, arguments).await?;
+    inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;
     connection.close(200, "declared".into()).await?;
     Ok(())
 }

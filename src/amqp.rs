@@ -184,6 +184,20 @@ pub async fn declare_topology(
     Ok(())
 }
 
+/// Declares `queue` durable, of `kind`, with no other argument: a queue the
+/// service's own messages go to (the outbox's destinations, say).
+/// Idempotent.
+pub async fn declare_queue(channel: &Channel, queue: &str, kind: QueueKind) -> Result<()> {
+    let mut arguments = FieldTable::default();
+    let kind = if kind == QueueKind::Quorum {
+        "quorum"
+    } else {
+        "classic"
+    };
+    arguments.insert("x-queue-type".into(), text(kind));
+    declare(channel, queue, arguments).await
+}
+
 async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Result<()> {
     let options = QueueDeclareOptions {
         durable: true,

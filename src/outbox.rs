@@ -80,6 +80,22 @@ pub trait Sink: Send + Sync + 'static {
 
 impl Sink for AmqpPublisher {
     fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>> {
+        // A row can come from any process: AMQP names hold 255 bytes, and
+        // a longer one would panic in the client, round after round.
+        let too_long = [&outgoing.exchange, &outgoing.routing_key, &outgoing.message_type]
+            .into_iter()
+            .find(|name| name.len() > 255);
+        if let Some(name) = too_long {
+            let reason = format!(
+                "`{}…` is longer than the 255 bytes AMQP allows",
+                crate::fault::truncate(name, 64)
+            );
+            return Box::pin(std::future::ready(Err(crate::Error::NotConfirmed {
+                message_id: outgoing.message_id.to_string(),
+                routing_key: crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),
+                reason,
+            })));
+        }
         Box::pin(self.publish_to(
             &outgoing.exchange,
             &outgoing.routing_key,

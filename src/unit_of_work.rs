@@ -79,8 +79,8 @@ pub struct UnitOfWork {
 /// off, where they go straight after the commit instead.
 #[derive(Debug, Clone)]
 pub struct Outbox {
-    /// `message_bus.exchange`.
-    pub exchange: String,
+    /// `message_bus.exchange`; shared, since every unit of work gets a copy.
+    pub exchange: std::sync::Arc<str>,
     /// Notified after a commit that staged messages.
     pub wake: std::sync::Arc<tokio::sync::Notify>,
     /// `None`: staged as rows of `outbox_messages`. `Some`: held in memory
@@ -267,6 +267,13 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
+        if routing_key.len() > 255 {
+            return Err(Error::Runtime(format!(
+                "cannot publish message {}: its routing key is {} bytes, and AMQP allows 255",
+                message.id,
+                routing_key.len()
+            )));
+        }
         let Some(outbox) = &self.outbox else {
             return Err(Error::Runtime(format!(
                 "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
@@ -276,7 +283,7 @@ impl UnitOfWork {
         };
         let outgoing = Outgoing {
             message_id: message.id,
-            exchange: outbox.exchange.clone(),
+            exchange: outbox.exchange.to_string(),
             routing_key: routing_key.to_owned(),
             message_type: E::TYPE.to_owned(),
             headers: cause

@@ -173,7 +173,7 @@ impl RuntimeBuilder {
             }
         };
         let outbox = Some(Outbox {
-            exchange: settings.message_bus.exchange.clone(),
+            exchange: settings.message_bus.exchange.as_str().into(),
             wake: Arc::new(Notify::new()),
             after_commit,
         });

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use inbox::lapin::options::BasicGetOptions;
 use inbox::lapin::types::FieldTable;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
@@ -39,20 +39,21 @@ impl EventHandler<Counted> for CountAndForward {
 async fn declare_queue(queue: &str) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        "x-queue-type".into(),
-        inbox::lapin::types::AMQPValue::LongString("quorum".into()),
-    );
-    let options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel
-        .queue_declare(queue.into(), options, arguments)
+    inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
+}
+
+/// A runtime whose handler counts and forwards each event to `forward`.
+async fn forwarding(settings: inbox::Settings, forward: &str) -> Runtime {
+    Runtime::builder(settings.valid())
+        .handler(CountAndForward {
+            forward: forward.to_owned(),
+        })
+        .start()
+        .await
+        .unwrap()
 }
 
 /// Takes every message of `queue`: their `message_id`s and bodies' keys.
@@ -89,13 +90,7 @@ async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a
     declare_queue(&forward).await;
     let mut settings = env.settings();
     settings.failure.delays = Vec::new();
-    let runtime = Runtime::builder(settings.valid())
-        .handler(CountAndForward {
-            forward: forward.clone(),
-        })
-        .start()
-        .await
-        .unwrap();
+    let runtime = forwarding(settings, &forward).await;
     publish_keys(&runtime, &env.queue, 0..10).await;
     wait_until("nine follow-ups arrive and key 7 is set aside", || async {
         runtime.stats().dead_lettered == 1 && env.ready(&forward).await == 9
@@ -271,13 +266,7 @@ async fn in_a_batch_a_message_rolled_back_to_its_savepoint_takes_its_follow_up_w
     let mut settings = crate::batching::batching(&env);
     settings.failure.delays = Vec::new();
     crate::batching::prefill_keys(&settings, 0..16).await;
-    let runtime = Runtime::builder(settings.valid())
-        .handler(CountAndForward {
-            forward: forward.clone(),
-        })
-        .start()
-        .await
-        .unwrap();
+    let runtime = forwarding(settings, &forward).await;
     wait_until("fifteen follow-ups arrive and key 7 is set aside", || async {
         runtime.stats().dead_lettered == 1 && env.ready(&forward).await == 15
     })
@@ -296,13 +285,7 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
     let mut env = TestEnv::new("outbox_headers").await;
     let forward = env.another_queue("forward");
     declare_queue(&forward).await;
-    let runtime = Runtime::builder(env.settings().valid())
-        .handler(CountAndForward {
-            forward: forward.clone(),
-        })
-        .start()
-        .await
-        .unwrap();
+    let runtime = forwarding(env.settings(), &forward).await;
     let (first, second) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     let mut flow = FieldTable::default();
     flow.insert(
@@ -475,4 +458,45 @@ async fn rows_another_process_commits_wake_the_dispatcher_through_notify() {
     .await;
     runtime.shutdown().await;
     assert!(arrived.is_ok(), "not woken by the notification");
+}
+
+#[actix_rt::test]
+async fn a_routing_key_past_255_bytes_is_refused_at_staging_and_parked_at_dispatch() {
+    let mut env = TestEnv::new("outbox_long_key").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    settings.outbox.max_attempts = 1;
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let too_long = "q".repeat(256);
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    let refused = uow.publish(&too_long, &Message::new(Counted { key: 0 })).await;
+    assert!(refused.is_err(), "refused in the caller's transaction");
+    // Staged by another process, it fails at dispatch like any row that
+    // cannot be sent, instead of panicking the client round after round.
+    uow.client()
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+             VALUES (gen_random_uuid(), '', $1, 'Counted', '\\x7b7d')",
+            &[&too_long],
+        )
+        .await
+        .unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    uow.commit().await.unwrap();
+    wait_until("the good one arrives and the long one is parked", || async {
+        env.ready(&forward).await == 1
+            && env
+                .scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL")
+                .await
+                == 1
+    })
+    .await;
+    runtime.shutdown().await;
 }
