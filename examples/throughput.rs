@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
-//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward] [--repeat 1]
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward,handwritten_forward]
+//!     [--repeat 1]
 //! cargo run --release --example throughput -- --outbox 50000
 //! ```
 //!
@@ -29,6 +30,11 @@
 //!   `CheckinRecorded` through the outbox, the forward queue drained by a
 //!   plain consumer; done when every message is settled and every unique
 //!   one forwarded.
+//! - `handwritten_forward`: `handwritten` forwarding the same follow-up the
+//!   way one would by hand with an outbox table (`outbox_messages`' columns
+//!   and indexes, without its trigger): the row inserted in the message's
+//!   transaction, then, after COMMIT, published with a confirm, its row
+//!   deleted, and the delivery acked.
 //!
 //! `--outbox N` measures the outbox alone: N staged rows drained by a
 //! runtime against the same N published with confirms by hand, and the
@@ -78,6 +84,7 @@ enum Scenario {
     InboxOn,
     InboxOnBatched,
     InboxOnForward,
+    HandwrittenForward,
 }
 
 impl Scenario {
@@ -89,6 +96,7 @@ impl Scenario {
             Scenario::InboxOn => "inbox_on",
             Scenario::InboxOnBatched => "inbox_on_batched",
             Scenario::InboxOnForward => "inbox_on_forward",
+            Scenario::HandwrittenForward => "handwritten_forward",
         }
     }
 }
@@ -104,11 +112,15 @@ impl FromStr for Scenario {
             Scenario::InboxOn,
             Scenario::InboxOnBatched,
             Scenario::InboxOnForward,
+            Scenario::HandwrittenForward,
         ]
         .into_iter()
         .find(|s| s.name() == name)
         .ok_or_else(|| {
-            format!("unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_on_batched)")
+            format!(
+                "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_on_batched, \
+                 inbox_on_forward, handwritten_forward)"
+            )
         })
     }
 }
@@ -195,6 +207,12 @@ async fn run() -> Result<()> {
     let pool = inbox::create_pool(&settings)?;
     common::create_tables(&pool).await?;
     inbox::run_migrations(&mut *pool.get().await?).await?;
+    // `handwritten_forward`'s outbox: the runtime's table without its
+    // NOTIFY trigger, as one would write it by hand.
+    pool.get()
+        .await?
+        .batch_execute("CREATE TABLE handwritten_outbox (LIKE outbox_messages INCLUDING ALL)")
+        .await?;
     let connection = amqp::connect(&settings, "inbox throughput").await?;
 
     let workload = Workload::new(count, dup_ratio);
@@ -223,7 +241,21 @@ async fn run() -> Result<()> {
             let steal_before = cpu_steal();
             let measured = match scenario {
                 Scenario::Raw => raw(&connection, &queue, count).await?,
-                Scenario::Handwritten => handwritten(&connection, &pool, &queue, count).await?,
+                Scenario::Handwritten => handwritten(&connection, &pool, &queue, count, None).await?,
+                Scenario::HandwrittenForward => {
+                    let forward = Forwarded::declare(&connection, &queue.name).await?;
+                    let channel = connection.create_channel().await?;
+                    channel.confirm_select(Default::default()).await?;
+                    let by_hand = Arc::new(ForwardByHand {
+                        channel,
+                        queue: forward.queue.clone(),
+                    });
+                    let measured = handwritten(&connection, &pool, &queue, count, Some(by_hand)).await?;
+                    forward.all_arrived(workload.unique).await;
+                    let seconds = measured.seconds.max(forward.seconds());
+                    forward.delete(&connection).await?;
+                    Measured { seconds, ..measured }
+                }
                 Scenario::InboxOff => runtime(for_runtime, false, count).await?,
                 Scenario::InboxOn => runtime(for_runtime, true, count).await?,
                 Scenario::InboxOnBatched => {
@@ -376,6 +408,17 @@ async fn consume(connection: &Connection, queue: &QueueSettings) -> Result<(Chan
     Ok((channel, consumer))
 }
 
+/// Consumes `queue` without acks, as a plain reader of what arrives.
+async fn consume_no_ack(channel: &Channel, queue: &str) -> Result<Consumer> {
+    let options = BasicConsumeOptions {
+        no_ack: true,
+        ..BasicConsumeOptions::default()
+    };
+    Ok(channel
+        .basic_consume(queue.into(), "".into(), options, FieldTable::default())
+        .await?)
+}
+
 async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Result<Measured> {
     let started = Instant::now();
     let (channel, mut consumer) = consume(connection, queue).await?;
@@ -405,6 +448,7 @@ async fn handwritten(
     pool: &Pool,
     queue: &QueueSettings,
     count: usize,
+    forward: Option<Arc<ForwardByHand>>,
 ) -> Result<Measured> {
     let started = Instant::now();
     let (channel, mut consumer) = consume(connection, queue).await?;
@@ -420,9 +464,10 @@ async fn handwritten(
         let arrived = Instant::now();
         let (pool, consumer_id) = (pool.clone(), queue.name.clone());
         let (latencies, done, finished) = (Arc::clone(&latencies), Arc::clone(&done), Arc::clone(&finished));
+        let forward = forward.clone();
         // The broker's prefetch bounds how many of these run at once.
         tokio::spawn(async move {
-            if let Err(e) = process_by_hand(&pool, &consumer_id, &delivery).await {
+            if let Err(e) = process_by_hand(&pool, &consumer_id, &delivery, forward.as_deref()).await {
                 eprintln!("handwritten: {e}");
                 return;
             }
@@ -452,10 +497,17 @@ async fn handwritten(
     })
 }
 
+/// Where `handwritten_forward` sends its follow-ups: a confirming channel.
+struct ForwardByHand {
+    channel: Channel,
+    queue: String,
+}
+
 async fn process_by_hand(
     pool: &Pool,
     consumer: &str,
     delivery: &inbox::lapin::message::Delivery,
+    forward: Option<&ForwardByHand>,
 ) -> Result<()> {
     let id = delivery
         .properties
@@ -475,11 +527,60 @@ async fn process_by_hand(
     let checkin = client.prepare_cached(common::COUNT_CHECKIN).await?;
     let attendance = client.prepare_cached(common::COUNT_ATTENDANCE).await?;
     let tx = client.transaction().await?;
+    let mut follow_up = None;
     if tx.execute(&claim, &[&consumer, &id]).await? == 1 {
         tx.execute(&checkin, &[&event.attendee_id]).await?;
         tx.execute(&attendance, &[&event.session_id]).await?;
+        if let Some(forward) = forward {
+            let recorded = Message::new(common::CheckinRecorded {
+                attendee_id: event.attendee_id,
+                session_id: event.session_id,
+                source_message_id: id,
+            });
+            let body = recorded.to_json()?;
+            tx.execute(
+                "INSERT INTO handwritten_outbox (message_id, exchange, routing_key, message_type, body)
+                 VALUES ($1, '', $2, 'CheckinRecorded', $3)",
+                &[&recorded.id, &forward.queue, &body],
+            )
+            .await?;
+            follow_up = Some((forward, recorded.id, body));
+        }
     }
     tx.commit().await?;
+    if let Some((forward, message_id, body)) = follow_up {
+        let properties = BasicProperties::default()
+            .with_message_id(message_id.to_string().into())
+            .with_type("CheckinRecorded".into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let confirmation = forward
+            .channel
+            .basic_publish(
+                "".into(),
+                forward.queue.as_str().into(),
+                options,
+                &body,
+                properties,
+            )
+            .await?
+            .await?;
+        if !confirmation.is_ack() || confirmation.take_message().is_some() {
+            return Err(Error::Runtime(
+                "handwritten: a follow-up was not confirmed".into(),
+            ));
+        }
+        client
+            .execute(
+                "DELETE FROM handwritten_outbox WHERE message_id = $1",
+                &[&message_id],
+            )
+            .await?;
+    }
     Ok(())
 }
 
@@ -524,48 +625,20 @@ async fn forwarding(
 ) -> Result<Measured> {
     settings.message_bus.enable_inbox = Some(true);
     settings.database.run_migrations = false;
-    let forward = format!("{}.forward", settings.queues[0].name);
-    let channel = connection.create_channel().await?;
-    channel
-        .queue_declare(
-            forward.as_str().into(),
-            inbox::lapin::options::QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    let mut drain = channel
-        .basic_consume(
-            forward.as_str().into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    let forwarded = Arc::new(AtomicUsize::new(0));
-    let counting = {
-        let forwarded = Arc::clone(&forwarded);
-        tokio::spawn(async move {
-            while let Some(Ok(_)) = drain.next().await {
-                forwarded.fetch_add(1, Ordering::Relaxed);
-            }
-        })
-    };
+    let forward = Forwarded::declare(connection, &settings.queues[0].name).await?;
     let started = Instant::now();
     let runtime = Runtime::builder(settings.validate()?)
         .handler(CountCheckins)
         .handler(CountAttendance)
         .handler(common::ForwardCheckins {
-            queue: forward.clone(),
+            queue: forward.queue.clone(),
         })
         .start()
         .await?;
     let stats = runtime.shared_stats();
     loop {
         let s = stats.snapshot();
-        if (s.completed + s.duplicates) as usize >= count && forwarded.load(Ordering::Relaxed) >= unique {
+        if (s.completed + s.duplicates) as usize >= count && forward.count() >= unique {
             break;
         }
         if s.rejected + s.skipped + s.dead_lettered > 0 {
@@ -575,16 +648,88 @@ async fn forwarding(
     }
     let seconds = started.elapsed().as_secs_f64();
     runtime.shutdown().await;
-    counting.abort();
-    channel
-        .queue_delete(forward.as_str().into(), QueueDeleteOptions::default())
-        .await?;
+    forward.delete(connection).await?;
     Ok(Measured {
         seconds,
         p50: stats.latency_quantile(0.5).unwrap_or_default(),
         p99: stats.latency_quantile(0.99).unwrap_or_default(),
         effects_ok: true,
     })
+}
+
+/// A forward queue and the plain consumer that drains and counts it.
+struct Forwarded {
+    queue: String,
+    count: Arc<AtomicUsize>,
+    started: Instant,
+    /// When the last follow-up counted arrived.
+    last: Arc<std::sync::Mutex<Instant>>,
+    counting: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarded {
+    async fn declare(connection: &Connection, queue: &str) -> Result<Self> {
+        let queue = format!("{queue}.forward");
+        let channel = connection.create_channel().await?;
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                inbox::lapin::options::QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut drain = consume_no_ack(&channel, &queue).await?;
+        let count = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let last = Arc::new(std::sync::Mutex::new(started));
+        let counting = {
+            let (count, last) = (Arc::clone(&count), Arc::clone(&last));
+            tokio::spawn(async move {
+                // The channel lives as long as this task.
+                let _channel = channel;
+                while let Some(Ok(_)) = drain.next().await {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut last) = last.lock() {
+                        *last = Instant::now();
+                    }
+                }
+            })
+        };
+        Ok(Self {
+            queue,
+            count,
+            started,
+            last,
+            counting,
+        })
+    }
+
+    fn count(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    async fn all_arrived(&self, expected: usize) {
+        while self.count() < expected {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// From its declaration to the last arrival.
+    fn seconds(&self) -> f64 {
+        self.last
+            .lock()
+            .map_or(0.0, |last| last.duration_since(self.started).as_secs_f64())
+    }
+
+    async fn delete(self, connection: &Connection) -> Result<()> {
+        self.counting.abort();
+        connection
+            .create_channel()
+            .await?
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+        Ok(())
+    }
 }
 
 /// Whether each unique event counted exactly once in both tables.
@@ -673,13 +818,24 @@ async fn outbox(rows: usize) -> Result<()> {
 
     // Raw confirmed publishing of the same messages.
     let publisher = inbox::AmqpPublisher::new(&connection, "").await?;
+    let (publisher, target_name) = (&publisher, target.as_str());
     let started = Instant::now();
     for chunk in 0..rows.div_ceil(batch) {
+        // The very messages the outbox sends: persistent, typed, JSON.
         let sends = (0..batch.min(rows - chunk * batch)).map(|_| {
-            let properties = BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_type("AttendeeCheckedIn".into());
-            publisher.publish_raw(&target, properties, &body)
+            let outgoing = inbox::Outgoing {
+                message_id: uuid::Uuid::now_v7(),
+                exchange: String::new(),
+                routing_key: target_name.to_owned(),
+                message_type: "AttendeeCheckedIn".into(),
+                headers: Vec::new(),
+                body: body.clone(),
+            };
+            async move {
+                publisher
+                    .publish_raw(target_name, outgoing.properties(), &outgoing.body)
+                    .await
+            }
         });
         for sent in futures_util::future::join_all(sends).await {
             sent?;
@@ -713,17 +869,7 @@ async fn outbox(rows: usize) -> Result<()> {
 
     // Commit to arrival, at a steady 1,000 a second for five seconds.
     let base = Instant::now();
-    let mut arrivals = channel
-        .basic_consume(
-            target.as_str().into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
+    let mut arrivals = consume_no_ack(&channel, &target).await?;
     let latencies = Arc::new(Latencies::default());
     let total = 5_000;
     let receiving = {

@@ -14,8 +14,29 @@ use crate::settings::Settings;
 /// never returns a connection inside a transaction, so a `ROLLBACK` on every
 /// recycle would be a round trip per message for nothing.
 pub fn create_pool(settings: &Settings) -> Result<Pool> {
+    build_pool(settings, settings.pg_config()?)
+}
+
+/// [`create_pool`] for a process that runs its own outbox dispatcher and
+/// wakes it in process after every commit that staged messages: its
+/// sessions say so (`inbox.outbox_notify=off`), and their commits skip the
+/// `NOTIFY` meant for dispatchers elsewhere. A notifying commit holds a
+/// database-wide lock through its flush to disk, so commits that notify go
+/// one at a time; without it they are flushed together. Rows the process
+/// commits are still found by any other instance's poll.
+pub fn create_dispatching_pool(settings: &Settings) -> Result<Pool> {
+    let mut config = settings.pg_config()?;
+    let options = format!(
+        "{} -c inbox.outbox_notify=off",
+        config.get_options().unwrap_or_default()
+    );
+    config.options(options.trim_start());
+    build_pool(settings, config)
+}
+
+fn build_pool(settings: &Settings, config: tokio_postgres::Config) -> Result<Pool> {
     let manager = Manager::from_config(
-        settings.pg_config()?,
+        config,
         NoTls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,

@@ -56,13 +56,13 @@ pub mod amqp;
 pub use amqp::AmqpPublisher;
 pub use backoff::Backoff;
 pub use context::{CAUSATION_ID, CORRELATION_ID, MessageContext};
-pub use db::{create_pool, wait_for_database};
+pub use db::{create_dispatching_pool, create_pool, wait_for_database};
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
 pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::run_migrations;
-pub use outbox::{DispatchReport, Outgoing, Sink, dispatch};
+pub use outbox::{DispatchReport, Outgoing, Sink, dispatch, drain};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{

@@ -29,6 +29,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_pending_by_seq",
         include_str!("migrations/0004_outbox_pending_by_seq.sql"),
     ),
+    (
+        5,
+        "outbox_notify_unless_local",
+        include_str!("migrations/0005_outbox_notify_unless_local.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

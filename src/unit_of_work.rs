@@ -308,10 +308,18 @@ impl UnitOfWork {
         let headers: serde_json::Map<String, serde_json::Value> =
             headers.into_iter().map(|(k, v)| (k, v.into())).collect();
         let headers = serde_json::Value::Object(headers).to_string();
-        self.client()
-            .execute(
+        // Prepared once per connection: a message's follow-up costs one
+        // round trip.
+        let insert = self
+            .client()
+            .prepare_cached(
                 "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
                  VALUES ($1, $2, $3, $4, $5::text::jsonb, $6)",
+            )
+            .await?;
+        self.client()
+            .execute(
+                &insert,
                 &[
                     &message_id,
                     &exchange,

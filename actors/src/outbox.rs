@@ -1,11 +1,11 @@
 //! [`OutboxActor`]: publishes what committed transactions staged.
 //!
 //! Owns where the rows go: over a broker, a connection of its own; in
-//! process, the handlers (a [`Publisher`] either way). Runs
-//! [`inbox::dispatch`] rounds: at once when a commit that staged messages
+//! process, the handlers (a [`Publisher`] either way). Drains the outbox
+//! ([`inbox::drain`]: rounds of [`inbox::dispatch`], pipelined): at once when a commit that staged messages
 //! wakes it (through the [`Outbox`]'s `Notify`, so the latency is that of
 //! one publish), when PostgreSQL notifies that another process committed
-//! rows (`LISTEN inbox_outbox`), again while rounds come back full, and every
+//! rows (`LISTEN inbox_outbox`), and every
 //! `outbox.poll_interval` for rows of other processes and retries coming
 //! due. Receives `StopDispatching` at shutdown: the round in progress
 //! finishes, no other starts. A round that fails (the database or the
@@ -89,23 +89,35 @@ impl Actor for OutboxActor {
                 },
             ));
         }
-        actix_rt::spawn(async move {
-            // Where the next round starts: after a full round, past it.
-            let mut after = 0;
-            while !*stop.borrow() {
-                // A panic fails the round, never the loop: the claimed rows
-                // roll back with their connection and come due again.
-                let round = AssertUnwindSafe(inbox::dispatch(&pool, &sink, &settings, after)).catch_unwind();
-                match round.await {
-                    Ok(Ok(report)) => {
-                        stats.record_dispatch(&report);
-                        // A full round: more may be due at once, after it.
-                        if report.claimed == settings.batch_size as usize {
-                            after = report.last_seq.unwrap_or(0);
-                            continue;
-                        }
-                        after = 0;
+        // The backlog, for the stats, every poll interval: counting it
+        // scans the pending rows, too much for every round.
+        {
+            let (pool, stats, every) = (pool.clone(), Arc::clone(&stats), settings.poll_interval);
+            let mut stopped = self.stop.subscribe();
+            actix_rt::spawn(async move {
+                while !*stopped.borrow() {
+                    match inbox::outbox::backlog(&pool).await {
+                        Ok(backlog) => stats.record_backlog(&backlog),
+                        Err(e) => tracing::debug!(error = %e, "cannot count the outbox's backlog"),
                     }
+                    tokio::select! {
+                        _ = tokio::time::sleep(every) => {}
+                        _ = stopped.changed() => {}
+                    }
+                }
+            });
+        }
+        actix_rt::spawn(async move {
+            while !*stop.borrow() {
+                // Rounds go on while they come back full. A panic fails the
+                // drain, never the loop: the claimed rows roll back with
+                // their connection and come due again.
+                let drained = inbox::drain(&pool, &sink, &settings, |report| {
+                    stats.record_dispatch(report);
+                    !*stop.borrow()
+                });
+                match AssertUnwindSafe(drained).catch_unwind().await {
+                    Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::warn!(error = %e, "outbox dispatch failed; trying again"),
                     Err(_) => tracing::error!("outbox dispatch panicked; trying again"),
                 }

@@ -127,7 +127,13 @@ impl RuntimeBuilder {
             )));
         }
 
-        let pool = inbox::create_pool(&settings)?;
+        // With the outbox on, this process dispatches it and wakes its
+        // dispatcher itself: its commits need not notify others.
+        let outbox_on = settings.is_outbox_enabled();
+        let pool = match outbox_on {
+            true => inbox::create_dispatching_pool(&settings)?,
+            false => inbox::create_pool(&settings)?,
+        };
         let mut connection = inbox::wait_for_database(&pool, &settings).await?;
         if settings.database.run_migrations {
             inbox::run_migrations(&mut connection).await?;
@@ -157,7 +163,6 @@ impl RuntimeBuilder {
         // Units of work stage what they publish: as rows the dispatcher
         // sends once committed, or, with the outbox off, held until the
         // commit and handed over then.
-        let outbox_on = settings.is_outbox_enabled();
         if settings.message_bus.provider == Provider::Rabbitmq && !outbox_on {
             tracing::warn!(
                 "message_bus.enable_outbox is false on a rabbitmq host: what units of work publish is sent right \

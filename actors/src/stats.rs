@@ -83,10 +83,11 @@ pub struct StatsSnapshot {
     pub outbox_failed: u64,
     /// Staged messages parked as dead after their last attempt.
     pub outbox_dead: u64,
-    /// Staged messages waiting to be dispatched, as of the last round.
+    /// Staged messages waiting to be dispatched (dead ones aside), sampled
+    /// every `outbox.poll_interval`.
     pub outbox_pending: u64,
-    /// How long the oldest of them had waited, as of the last round, in
-    /// milliseconds (0 when none waits).
+    /// How long the oldest of them had waited when sampled, in milliseconds
+    /// (0 when none waits).
     pub outbox_oldest_pending_millis: u64,
 }
 
@@ -200,13 +201,14 @@ impl Stats {
         self.outbox_failed
             .fetch_add(count(report.failed + report.dead), Ordering::Relaxed);
         self.outbox_dead.fetch_add(count(report.dead), Ordering::Relaxed);
-        if let Some(pending) = report.pending {
-            self.outbox_pending.store(pending, Ordering::Relaxed);
-            let oldest = report
-                .oldest_pending
-                .map_or(0, |age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
-            self.outbox_oldest_pending_millis.store(oldest, Ordering::Relaxed);
-        }
+    }
+
+    pub(crate) fn record_backlog(&self, backlog: &inbox::outbox::Backlog) {
+        self.outbox_pending.store(backlog.pending, Ordering::Relaxed);
+        let oldest = backlog
+            .oldest_pending
+            .map_or(0, |age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+        self.outbox_oldest_pending_millis.store(oldest, Ordering::Relaxed);
     }
 
     /// The counters now.

@@ -83,6 +83,31 @@ async fn drain(queue: &str) -> (Vec<String>, Vec<i64>) {
     (ids, keys)
 }
 
+/// Stages a row as another process would: a plain session, no runtime.
+async fn stage_from_another_session(env: &TestEnv, queue: &str, key: i64) {
+    let body = serde_json::to_vec(&Counted { key }).unwrap();
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+             VALUES (gen_random_uuid(), '', $1, 'Counted', $2)",
+            &[&queue, &body],
+        )
+        .await
+        .unwrap();
+}
+
+/// Whether a message is ready in `queue` within ten seconds.
+async fn arrives_within_10s(env: &TestEnv, queue: &str) -> bool {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while env.ready(queue).await == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .is_ok()
+}
+
 #[actix_rt::test]
 async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a_rollback() {
     let mut env = TestEnv::new("outbox_forward").await;
@@ -149,15 +174,15 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
             == 1
     })
     .await;
+    // The backlog is sampled every poll interval.
+    wait_until("the backlog is sampled empty", || async {
+        runtime.stats().outbox_pending == 0
+    })
+    .await;
     let stats = runtime.stats();
     assert_eq!(
-        (
-            stats.outbox_dispatched,
-            stats.outbox_failed,
-            stats.outbox_dead,
-            stats.outbox_pending
-        ),
-        (3, 2, 1, 0),
+        (stats.outbox_dispatched, stats.outbox_failed, stats.outbox_dead),
+        (3, 2, 1),
         "{stats:?}"
     );
     let row = env
@@ -440,24 +465,10 @@ async fn rows_another_process_commits_wake_the_dispatcher_through_notify() {
         .unwrap();
     // Give the LISTEN connection a moment, then stage from elsewhere.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let body = serde_json::to_vec(&Counted { key: 1 }).unwrap();
-    env.db()
-        .await
-        .execute(
-            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
-             VALUES (gen_random_uuid(), '', $1, 'Counted', $2)",
-            &[&forward, &body],
-        )
-        .await
-        .unwrap();
-    let arrived = tokio::time::timeout(Duration::from_secs(10), async {
-        while env.ready(&forward).await == 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    stage_from_another_session(&env, &forward, 1).await;
+    let arrived = arrives_within_10s(&env, &forward).await;
     runtime.shutdown().await;
-    assert!(arrived.is_ok(), "not woken by the notification");
+    assert!(arrived, "not woken by the notification");
 }
 
 #[actix_rt::test]
@@ -499,4 +510,112 @@ async fn a_routing_key_past_255_bytes_is_refused_at_staging_and_parked_at_dispat
     })
     .await;
     runtime.shutdown().await;
+}
+
+/// Stages `rows` follow-ups in one transaction before a runtime with
+/// outbox batches of 10 and a pool of `pool_size` starts, then checks that
+/// they arrive once each and in staging order, across rounds.
+async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize) {
+    let mut env = TestEnv::new(name).await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    settings.outbox.batch_size = 10;
+    settings.database.pool_size = pool_size;
+    // Staged by one runtime's unit of work, dispatched by the next one.
+    let staging = Runtime::builder(settings.clone().valid())
+        .handler(crate::support::Count)
+        .build()
+        .await
+        .unwrap();
+    let mut uow = staging.unit_of_work().await.unwrap();
+    let rows = 205;
+    for key in 0..rows {
+        uow.publish(&forward, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    staging.shutdown().await;
+    // Shut down before the commit: only the next runtime dispatches.
+    uow.commit().await.unwrap();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .build()
+        .await
+        .unwrap();
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+    wait_until("the stats count every row", || async {
+        runtime.stats().outbox_dispatched == rows as u64
+    })
+    .await;
+    runtime.shutdown().await;
+    let (ids, keys) = drain(&forward).await;
+    assert_eq!(keys, (0..rows).collect::<Vec<_>>(), "once each, in staging order");
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), rows as usize);
+}
+
+#[actix_rt::test]
+async fn a_backlog_drained_in_pipelined_rounds_arrives_once_each_in_staging_order() {
+    a_backlog_arrives_once_in_staging_order("outbox_pipelined", 4).await;
+}
+
+#[actix_rt::test]
+async fn with_a_pool_of_one_connection_a_backlog_drains_round_after_round_in_order() {
+    a_backlog_arrives_once_in_staging_order("outbox_pool_of_one", 1).await;
+}
+
+#[actix_rt::test]
+async fn a_runtimes_own_commits_wake_its_dispatcher_in_process_without_notifying_others() {
+    let mut env = TestEnv::new("outbox_local_wake").await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    let mut settings = env.settings();
+    // The poll alone would take a minute.
+    settings.outbox.poll_interval = Duration::from_secs(60);
+    let runtime = Runtime::builder(settings.clone().valid())
+        .handler(crate::support::Count)
+        .build()
+        .await
+        .unwrap();
+    // Another process listening, as other instances' dispatchers do.
+    let (client, mut connection) = settings
+        .pg_config()
+        .unwrap()
+        .connect(inbox::tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (notified, mut notifications) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = futures_util::StreamExt::next(&mut messages).await {
+            if let inbox::tokio_postgres::AsyncMessage::Notification(_) = message {
+                let _ = notified.send(());
+            }
+        }
+    });
+    client.batch_execute("LISTEN inbox_outbox").await.unwrap();
+
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    uow.commit().await.unwrap();
+    let arrived = arrives_within_10s(&env, &forward).await;
+    assert!(arrived, "the commit did not wake the runtime's dispatcher");
+    assert!(
+        notifications.try_recv().is_err(),
+        "the runtime's commit notified other processes"
+    );
+
+    // A commit from elsewhere still notifies.
+    stage_from_another_session(&env, &forward, 2).await;
+    let heard = tokio::time::timeout(Duration::from_secs(10), notifications.recv()).await;
+    runtime.shutdown().await;
+    assert!(
+        matches!(heard, Ok(Some(()))),
+        "a commit from another session did not notify"
+    );
 }
