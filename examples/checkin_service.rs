@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
-//!     [--forward-to QUEUE]
+//!     [--forward-to QUEUE] [--http ADDR]
 //! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
 //!
@@ -22,6 +22,18 @@
 //! `message_id`, the body `{"attendee_id", "session_id",
 //! "source_message_id"}`. A refused check-in forwards nothing.
 //!
+//! `--http ADDR` (`127.0.0.1:9464`, say) serves, with actix-web on the
+//! runtime's own actix system:
+//! - `GET /health/live`: 200 while the runtime's actors run, else 503;
+//! - `GET /health/ready`: 200 when every queue is consumed over a live
+//!   connection, the database answers and the service is not stopping,
+//!   else 503;
+//! - `GET /metrics`: the runtime's metrics, in Prometheus' text format.
+//!
+//! The health bodies are JSON: `{"ok": true, "reasons": []}`, the reasons
+//! saying what is wrong. One SIGINT or SIGTERM stops the server and the
+//! runtime together, their drains overlapping (docs/operations.md).
+//!
 //! `--abort-on-attendee ID` is a crash-loop demonstration: the process
 //! aborts (`std::process::abort`) whenever it handles a check-in of
 //! attendee ID, before anything commits. The broker hands that message out
@@ -39,9 +51,11 @@ mod common;
 
 use std::time::Duration;
 
+use actix_web::{App, HttpResponse, HttpServer, web};
 use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, ForwardCheckins};
 use inbox::{EventHandler, HandlerError, UnitOfWork};
-use inbox_actors::Runtime;
+use inbox_actors::{HealthCheck, Probe, Runtime};
+use metrics_exporter_prometheus::PrometheusHandle;
 use tracing_subscriber::EnvFilter;
 
 #[actix::main]
@@ -63,6 +77,11 @@ async fn run() -> inbox::Result<()> {
     if std::env::args().any(|a| a == "--remove") {
         return remove(&settings).await;
     }
+    // Before the runtime is built: it registers its metrics as it builds.
+    let http = match common::arg("--http") {
+        Some(address) => Some((address, common::install_prometheus()?)),
+        None => None,
+    };
     if let Some(name) = settings.database.name.clone() {
         common::create_database(&settings, &name).await?;
     }
@@ -113,7 +132,82 @@ async fn run() -> inbox::Result<()> {
             );
         }
     });
-    runtime.run_until_signal().await
+    match http {
+        Some((address, metrics)) => serve(runtime, &address, metrics).await,
+        None => runtime.run_until_signal().await,
+    }
+}
+
+/// What the HTTP endpoints read.
+#[derive(Clone)]
+struct Endpoints {
+    health: HealthCheck,
+    metrics: PrometheusHandle,
+}
+
+/// Runs the runtime and the HTTP server on `address` until one signal
+/// stops both: the docs/operations.md pattern, one signal handler for the
+/// whole service and both drains at once.
+async fn serve(runtime: Runtime, address: &str, metrics: PrometheusHandle) -> inbox::Result<()> {
+    let endpoints = Endpoints {
+        health: runtime.health_check(),
+        metrics,
+    };
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(web::Data::new(endpoints.clone()))
+            .route("/health/live", web::get().to(live))
+            .route("/health/ready", web::get().to(ready))
+            .route("/metrics", web::get().to(render_metrics))
+    })
+    .workers(1)
+    .disable_signals() // one signal handler for the whole service
+    .shutdown_timeout(20) // within runtime.shutdown_timeout, below the grace period
+    .bind(address)
+    .map_err(|e| inbox::Error::Runtime(format!("--http {address}: cannot listen: {e}")))?
+    .run();
+    tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
+    let http = server.handle();
+    let signal = inbox_actors::shutdown_signal()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    actix_rt::spawn(async move {
+        signal.await;
+        tracing::info!("shutdown signal received");
+        let _ = stop.send(());
+        http.stop(true).await; // graceful: finishes the requests in flight
+    });
+    // Both drain at once: the whole stop takes the longer of the two.
+    let (served, ran) = tokio::join!(
+        server,
+        runtime.run_until(async {
+            let _ = stopped.await;
+        })
+    );
+    served.map_err(|e| inbox::Error::Runtime(format!("the HTTP server failed: {e}")))?;
+    ran
+}
+
+async fn live(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    probe(endpoints.health.live())
+}
+
+async fn ready(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    probe(endpoints.health.ready().await)
+}
+
+/// 200 or 503, with the probe as JSON.
+fn probe(probe: Probe) -> HttpResponse {
+    let mut response = match probe.ok {
+        true => HttpResponse::Ok(),
+        false => HttpResponse::ServiceUnavailable(),
+    };
+    response.json(probe)
+}
+
+async fn render_metrics(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(endpoints.metrics.render())
 }
 
 /// Kills the process on one attendee's check-ins: a poison message that

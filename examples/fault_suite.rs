@@ -17,6 +17,9 @@
 //! the service aborts on (`--abort-on-attendee`), and restarts the service
 //! after every crash until the broker's delivery limit moves the message
 //! to the error queue.
+//! The service serves its HTTP endpoints (`--http`) all along: it must be
+//! ready after each start, unready but live while PostgreSQL and while
+//! RabbitMQ are stopped, and its `/metrics` must name every metric.
 //! Then it stops the service with SIGTERM (which must exit 0) and checks the
 //! database and the queues. It prints one line and fails unless `lost=0`,
 //! `duplicated=0` and every other check holds. With `--batch-size N` the
@@ -99,6 +102,11 @@ struct Suite {
     crashes: usize,
     /// Where this run's part of the service log starts.
     log_start: u64,
+    /// The service's `--http` address.
+    http: String,
+    /// What its health endpoints said at each fault, and whether that was
+    /// right.
+    health: Vec<(bool, String)>,
 }
 
 async fn run() -> Result<bool> {
@@ -143,9 +151,12 @@ async fn run() -> Result<bool> {
         alarms: 0,
         crashes: 0,
         log_start: std::fs::metadata(service_log_path()).map_or(0, |m| m.len()),
+        http: free_address()?,
+        health: Vec::new(),
     };
     let mut child = suite.start_service()?;
     wait_for_queue(&suite.settings, &suite.queue).await?;
+    suite.expect_ready("after the start").await;
 
     // Publish in the background, a little at a time, while the faults happen.
     let publishing = {
@@ -165,8 +176,8 @@ async fn run() -> Result<bool> {
         tokio::time::sleep(pause(&mut random)).await;
         match round {
             0 => suite.close_service_connections()?,
-            1 => suite.restart_postgres()?,
-            2 => suite.restart_rabbitmq()?,
+            1 => suite.restart_postgres().await?,
+            2 => suite.restart_rabbitmq().await?,
             3 => suite.raise_memory_alarm().await?,
             _ => {}
         }
@@ -183,6 +194,8 @@ async fn run() -> Result<bool> {
     // Let it finish; then a crash loop; then stop it as an operator would.
     wait_until_settled(&suite, &published, started, &mut child).await?;
     let poison = suite.crash_loop(&mut child, &published).await?;
+    suite.expect_ready("after the crash loop").await;
+    suite.expect_metrics().await;
     suite.say("settled; stopping the service with SIGTERM");
     let status = stop_service(child)?;
     let ok_exit = status == Some(0);
@@ -212,6 +225,8 @@ impl Suite {
                 &POISON.to_string(),
                 "--forward-to",
                 &forward_queue(&self.queue),
+                "--http",
+                &self.http,
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
@@ -329,19 +344,140 @@ impl Suite {
         Ok(())
     }
 
-    fn restart_postgres(&mut self) -> Result<()> {
-        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart")?;
+    async fn restart_postgres(&mut self) -> Result<()> {
+        self.expect_ready("before PostgreSQL stops").await;
+        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main stop")?;
+        self.expect_unready("database", "while PostgreSQL is stopped")
+            .await;
+        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")?;
         self.db_restarts += 1;
         self.say("restarted PostgreSQL");
         Ok(())
     }
 
-    fn restart_rabbitmq(&mut self) -> Result<()> {
-        sh("rabbitmqctl -q stop_app && rabbitmqctl -q start_app && rabbitmqctl -q await_startup")?;
+    async fn restart_rabbitmq(&mut self) -> Result<()> {
+        self.expect_ready("before RabbitMQ stops").await;
+        sh("rabbitmqctl -q stop_app")?;
+        self.expect_unready("not connected", "while RabbitMQ is stopped")
+            .await;
+        sh("rabbitmqctl -q start_app && rabbitmqctl -q await_startup")?;
         self.broker_restarts += 1;
         self.say("restarted RabbitMQ");
         Ok(())
     }
+
+    /// Waits (up to 30 s) for `GET /health/ready` to answer 200.
+    async fn expect_ready(&mut self, when: &str) {
+        let started = Instant::now();
+        let ok = loop {
+            if let Ok((200, _)) = http_get(&self.http, "/health/ready").await {
+                break true;
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        self.health
+            .push((ok, format!("/health/ready answered 200 {when}")));
+    }
+
+    /// Waits (up to 15 s) for `GET /health/ready` to answer 503 with a
+    /// reason containing `reason`, then asks `GET /health/live`, which must
+    /// still answer 200.
+    async fn expect_unready(&mut self, reason: &str, when: &str) {
+        let started = Instant::now();
+        let unready = loop {
+            if let Ok((503, body)) = http_get(&self.http, "/health/ready").await
+                && body.contains(reason)
+            {
+                break true;
+            }
+            if started.elapsed() > Duration::from_secs(15) {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        self.health.push((
+            unready,
+            format!("/health/ready answered 503 naming `{reason}` {when}"),
+        ));
+        let live = matches!(http_get(&self.http, "/health/live").await, Ok((200, _)));
+        self.health
+            .push((live, format!("/health/live answered 200 {when}")));
+    }
+
+    /// `GET /metrics` names every metric of docs/operations.md.
+    async fn expect_metrics(&mut self) {
+        let text = match http_get(&self.http, "/metrics").await {
+            Ok((200, text)) => text,
+            other => {
+                self.health
+                    .push((false, format!("/metrics answered 200 (got {other:?})")));
+                return;
+            }
+        };
+        for name in METRICS {
+            let present = text
+                .lines()
+                .any(|line| line.starts_with(name) && !line.starts_with('#'));
+            self.health.push((present, format!("/metrics has {name}")));
+        }
+    }
+}
+
+/// Every metric the runtime exports (docs/operations.md).
+const METRICS: &[&str] = &[
+    "inbox_messages_total",
+    "inbox_process_duration_seconds",
+    "inbox_handler_duration_seconds",
+    "inbox_claim_wait_seconds",
+    "inbox_in_flight",
+    "inbox_consumer_connected",
+    "inbox_database_available",
+    "inbox_outbox_pending",
+    "inbox_outbox_oldest_pending_seconds",
+    "inbox_outbox_dispatched_total",
+    "inbox_outbox_dead",
+    "inbox_rows",
+    "inbox_oldest_row_seconds",
+    "inbox_swept_rows_total",
+];
+
+/// A loopback address with a free port, for the service's `--http`.
+fn free_address() -> Result<String> {
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| fail(format!("no free port: {e}")))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| fail(format!("no free port: {e}")))?;
+    Ok(address.to_string())
+}
+
+/// `GET path` from `address` over HTTP/1.1: the status and the body,
+/// within two seconds.
+async fn http_get(address: &str, path: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        let response = String::from_utf8_lossy(&response).into_owned();
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or(0);
+        let body = response
+            .split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, body)| body.to_owned());
+        Ok((status, body))
+    };
+    tokio::time::timeout(Duration::from_secs(2), exchange)
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("no answer within 2 s")))
 }
 
 fn sh(command: &str) -> Result<String> {
@@ -776,14 +912,17 @@ async fn check(
             "the service logged the broker's alarm",
         ),
     ];
-    let mut failed = 0;
-    for (ok, what) in &checks {
-        if !ok {
+    let health = suite.health.iter().map(|(ok, what)| (*ok, what.as_str()));
+    let (mut failed, mut passed) = (0, 0);
+    for (ok, what) in checks.into_iter().chain(health) {
+        if ok {
+            passed += 1;
+        } else {
             eprintln!("fault_suite: FAILED: {what}");
             failed += 1;
         }
     }
-    println!("fault_suite: {} passed, {failed} failed", checks.len() - failed);
+    println!("fault_suite: {passed} passed, {failed} failed");
     // Clean up what this run created.
     for name in [
         suite.queue.clone(),

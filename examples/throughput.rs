@@ -5,7 +5,7 @@
 //! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
 //!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward,handwritten_forward]
-//!     [--repeat 1]
+//!     [--repeat 1] [--metrics]
 //! cargo run --release --example throughput -- --outbox 50000
 //! ```
 //!
@@ -40,6 +40,9 @@
 //! runtime against the same N published with confirms by hand, and the
 //! time from a commit to the message's arrival at a consumer at a steady
 //! 1,000 a second.
+//!
+//! `--metrics` installs the Prometheus recorder first, so that the runtime's
+//! metrics are recorded as in a service that exports them.
 //!
 //! `--hop N` measures, before the scenarios, what one actor hop costs: N
 //! messages sent one after the other to an actor that answers at once
@@ -179,6 +182,10 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> Result<()> {
+    // Recording into a real recorder, as a service with metrics does.
+    if std::env::args().any(|a| a == "--metrics") {
+        common::install_prometheus()?;
+    }
     if common::arg("--hop").is_some() {
         actor_hop(common::parsed_arg("--hop", 100_000)).await?;
     }

@@ -349,32 +349,39 @@ impl Round {
 }
 
 /// What waits to be dispatched: rows that are not dead, those other
-/// transactions hold included.
+/// transactions hold included; and the dead ones.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Backlog {
-    /// How many.
+    /// How many wait.
     pub pending: u64,
     /// How long the oldest of them has waited since it was staged.
     pub oldest_pending: Option<Duration>,
+    /// Rows parked as dead (until retried or swept).
+    pub dead: u64,
 }
 
-/// Counts the [`Backlog`]. It scans the pending rows, so the dispatcher
-/// samples it now and then rather than after every round.
+/// Counts the [`Backlog`]. It scans the table, so the dispatcher samples it
+/// now and then rather than after every round.
 pub async fn backlog(pool: &Pool) -> Result<Backlog> {
     let row = pool
         .get()
         .await?
         .query_one(
-            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8
-             FROM outbox_messages WHERE dead_at IS NULL",
+            "SELECT count(*) FILTER (WHERE dead_at IS NULL),
+                    EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8,
+                    count(*) FILTER (WHERE dead_at IS NOT NULL)
+             FROM outbox_messages",
             &[],
         )
         .await?;
+    let count = |column: usize| u64::try_from(row.get::<_, i64>(column)).unwrap_or(0);
     Ok(Backlog {
-        pending: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+        pending: count(0),
         oldest_pending: row
             .get::<_, Option<f64>>(1)
             .map(|seconds| Duration::from_secs_f64(seconds.max(0.0))),
+        dead: count(2),
     })
 }
 

@@ -46,6 +46,11 @@ pub struct SweepReport {
     pub duration: Duration,
     /// The slowest single batch: how long a delete held its locks.
     pub longest_batch: Duration,
+    /// Rows of `inbox_messages` left after the sweep, and the age of the
+    /// oldest of them: sampled by the one instance that swept.
+    pub inbox_rows: u64,
+    /// See `inbox_rows`; `None` when the table is empty.
+    pub oldest_inbox_row: Option<Duration>,
 }
 
 /// Deletes every row older than `retention.days`, `retention.batch_size`
@@ -93,6 +98,19 @@ pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepRe
             }
         }
     }
+    // Sampled by the one sweeper, under its lock: one count per sweep,
+    // whatever the number of instances.
+    let row = lock
+        .connection()
+        .query_one(
+            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(processed_at))::float8 FROM inbox_messages",
+            &[],
+        )
+        .await?;
+    report.inbox_rows = u64::try_from(row.get::<_, i64>(0)).unwrap_or(0);
+    report.oldest_inbox_row = row
+        .get::<_, Option<f64>>(1)
+        .map(|seconds| Duration::from_secs_f64(seconds.max(0.0)));
     lock.release().await?;
     report.duration = started.elapsed();
     Ok(report)

@@ -18,6 +18,10 @@ use tokio::sync::Mutex;
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 const MAX_PAUSE: Duration = Duration::from_secs(5);
 
+/// The longest a readiness probe waits for the database: health endpoints
+/// are asked with a timeout of a second or so.
+const READY_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Shared by a runtime's consumers.
 pub(crate) struct DatabaseGate {
     pool: Pool,
@@ -35,7 +39,9 @@ pub(crate) struct DatabaseGate {
 }
 
 impl DatabaseGate {
+    /// A gate over `pool`, whose database the start has reached.
     pub(crate) fn new(pool: Pool, settings: &Settings) -> Self {
+        crate::metrics::database_available(true);
         Self {
             pool,
             endpoint: settings.database_endpoint(),
@@ -60,6 +66,7 @@ impl DatabaseGate {
         }
         if !self.down.swap(true, Ordering::SeqCst) {
             self.outages.fetch_add(1, Ordering::SeqCst);
+            crate::metrics::database_available(false);
             tracing::warn!(database = %self.endpoint, %reason, "database unavailable: holding messages in flight and pausing consumption until it answers");
         }
         let started = Instant::now();
@@ -71,9 +78,30 @@ impl DatabaseGate {
             }
         }
         if self.down.swap(false, Ordering::SeqCst) {
+            crate::metrics::database_available(true);
             tracing::warn!(after = ?started.elapsed(), "database available again: resuming");
         }
         true
+    }
+
+    /// Whether the database answers now, for readiness: not while an
+    /// outage is being waited out; else a `SELECT 1` on an idle pooled
+    /// connection, within [`READY_PROBE_TIMEOUT`]. When every connection is
+    /// busy with messages, the database is evidently answering, and the
+    /// probe would only queue behind them. Sets `inbox_database_available`.
+    pub(crate) async fn is_available(&self) -> bool {
+        let available = if self.down.load(Ordering::SeqCst) {
+            false
+        } else if self.pool.status().available == 0 && self.pool.status().size == self.pool.status().max_size
+        {
+            true
+        } else {
+            tokio::time::timeout(READY_PROBE_TIMEOUT, self.probe())
+                .await
+                .unwrap_or(false)
+        };
+        crate::metrics::database_available(available);
+        available
     }
 
     async fn probe(&self) -> bool {

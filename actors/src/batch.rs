@@ -107,7 +107,10 @@ impl Work {
         lane: &Semaphore,
     ) -> Result<UnitOfWork, Abandoned> {
         let mut uow = self.begin().await?;
-        let claims = match self.store.try_begin_batch(&mut uow, keys).await {
+        let claiming = std::time::Instant::now();
+        let claims = self.store.try_begin_batch(&mut uow, keys).await;
+        self.claim_wait.record(claiming.elapsed().as_secs_f64());
+        let claims = match claims {
             Ok(claims) => claims,
             Err(e) => {
                 let _ = roll_back(uow).await;

@@ -43,6 +43,7 @@
 //! every delivery settles on its own channel's window only.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -58,6 +59,7 @@ use tokio::sync::oneshot;
 use crate::availability::DatabaseGate;
 use crate::dedup::DedupActor;
 use crate::link::Link;
+use crate::metrics::QueueMetrics;
 use crate::settle::{Pending, Settler};
 use crate::stats::Stats;
 
@@ -98,6 +100,10 @@ pub(crate) struct ConsumerActor {
     /// last seen by the watchdog.
     down_since: Option<Instant>,
     in_flight: usize,
+    /// Whether this consumer is connected and consuming, for the runtime's
+    /// health.
+    connected: Arc<AtomicBool>,
+    metrics: Arc<QueueMetrics>,
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
     stream_ended: bool,
@@ -146,7 +152,9 @@ impl ConsumerActor {
         dedup: Addr<DedupActor>,
         stats: Arc<Stats>,
         database: Arc<DatabaseGate>,
+        connected: Arc<AtomicBool>,
     ) -> Self {
+        let metrics = Arc::new(QueueMetrics::new(&queue.name));
         let settler = Settler {
             queue: queue.name.clone(),
             consumer: queue.consumer_id().into(),
@@ -154,6 +162,7 @@ impl ConsumerActor {
             forwarder: link.forwarder,
             failure: settings.failure.clone(),
             stats,
+            metrics: Arc::clone(&metrics),
             database,
             concurrent_batches: queue.concurrent_batches,
             window: Arc::default(),
@@ -171,6 +180,8 @@ impl ConsumerActor {
             reconnecting: false,
             down_since: None,
             in_flight: 0,
+            connected,
+            metrics,
             draining: false,
             drained: Vec::new(),
             stream_ended: false,
@@ -210,6 +221,7 @@ impl ConsumerActor {
 
     fn message_done(&mut self, ctx: &mut Context<Self>) {
         self.in_flight -= 1;
+        self.metrics.in_flight.decrement(1.0);
         if self.in_flight == 0 {
             for waiter in self.drained.drain(..) {
                 let _ = waiter.send(());
@@ -230,6 +242,7 @@ impl Actor for ConsumerActor {
         }
         let settler = &self.settler;
         tracing::info!(queue = %settler.queue, consumer = %settler.consumer, "consuming");
+        self.set_connected(true);
         ctx.run_interval(WATCHDOG_EVERY, |actor, ctx| actor.watch_connection(ctx));
     }
 }
@@ -266,6 +279,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             return;
         }
         self.in_flight += 1;
+        self.metrics.in_flight.increment(1.0);
         let arrived = Instant::now();
         if self.batching.size == 1 {
             let work = Arc::clone(&self.settler).settle(delivery, ticket, arrived);
@@ -301,6 +315,13 @@ impl StreamHandler<Consumed> for ConsumerActor {
 }
 
 impl ConsumerActor {
+    /// Says whether this consumer is connected and consuming: to the
+    /// runtime's health and to the `inbox_consumer_connected` gauge.
+    fn set_connected(&self, connected: bool) {
+        self.connected.store(connected, Ordering::Relaxed);
+        self.metrics.connected.set(if connected { 1.0 } else { 0.0 });
+    }
+
     /// The current link's consumer stream ended.
     fn on_stream_end(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
@@ -337,6 +358,12 @@ impl ConsumerActor {
     /// for longer than `message_bus.connect_timeout` is given up, and the
     /// actor reconnects itself.
     fn watch_connection(&mut self, ctx: &mut Context<Self>) {
+        self.set_connected(
+            !self.draining
+                && !self.reconnecting
+                && self.connection.status().connected()
+                && self.channel.status().connected(),
+        );
         if self.draining || self.reconnecting || self.connection.status().connected() {
             self.down_since = None;
             return;
@@ -362,6 +389,7 @@ impl ConsumerActor {
         // From here on, what the old link's stream says is of no concern.
         self.link += 1;
         self.reconnecting = true;
+        self.set_connected(false);
         // Buffered deliveries of the old link can no longer be acked: its
         // connection closes below and the broker redelivers them on the new
         // one (the inbox skips whatever of them committed meanwhile).
@@ -395,6 +423,7 @@ impl ConsumerActor {
             };
             actor.settler = Arc::new(settler);
             ctx.add_stream(tagged(link.stream, actor.link));
+            actor.set_connected(true);
             tracing::info!(queue = %actor.queue.name, "consuming again");
         }));
     }
@@ -414,6 +443,7 @@ impl actix::Handler<Disconnect> for ConsumerActor {
 
     fn handle(&mut self, _: Disconnect, _ctx: &mut Context<Self>) -> Self::Result {
         self.draining = true;
+        self.set_connected(false);
         let connection = Arc::clone(&self.connection);
         Box::pin(async move {
             // Already closed after a drain that finished in time: fine.
@@ -427,6 +457,7 @@ impl actix::Handler<Drain> for ConsumerActor {
 
     fn handle(&mut self, _: Drain, _ctx: &mut Context<Self>) -> Self::Result {
         self.draining = true;
+        self.set_connected(false);
         let (done, drained) = oneshot::channel();
         if self.in_flight == 0 {
             let _ = done.send(());

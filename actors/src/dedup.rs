@@ -23,12 +23,13 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::deadpool_postgres::Pool;
 use inbox::{Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outbox, Outcome, Stage, UnitOfWork};
+use metrics::Histogram;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
@@ -87,6 +88,8 @@ pub struct DedupActor {
     /// row locks would deadlock on rows they share in opposite order; one
     /// that only commits takes no new lock, so the other merely waits.
     batch_lanes: HashMap<Arc<str>, Arc<Semaphore>>,
+    /// Per consumer id, its queue's `inbox_claim_wait_seconds`.
+    claim_waits: HashMap<Arc<str>, Histogram>,
 }
 
 impl DedupActor {
@@ -101,6 +104,7 @@ impl DedupActor {
         stats: Arc<Stats>,
         transaction_timeout: Duration,
         outbox: Option<Outbox>,
+        queues: &[inbox::QueueSettings],
     ) -> Self {
         Self {
             pool,
@@ -110,6 +114,10 @@ impl DedupActor {
             routes: Arc::new(routes),
             stats,
             batch_lanes: HashMap::new(),
+            claim_waits: queues
+                .iter()
+                .map(|q| (q.consumer_id().into(), crate::metrics::claim_wait(&q.name)))
+                .collect(),
         }
     }
 }
@@ -134,8 +142,15 @@ impl Supervised for DedupActor {
 }
 
 impl DedupActor {
-    fn work(&self) -> Work {
+    fn work(&mut self, consumer: &Arc<str>) -> Work {
+        // A consumer of no configured queue (in process): by its id.
+        let claim_wait = self
+            .claim_waits
+            .entry(Arc::clone(consumer))
+            .or_insert_with(|| crate::metrics::claim_wait(consumer))
+            .clone();
         Work {
+            claim_wait,
             pool: self.pool.clone(),
             outbox: self.outbox.clone(),
             store: Arc::clone(&self.store),
@@ -151,7 +166,7 @@ impl actix::Handler<Deliver> for DedupActor {
     type Result = ResponseFuture<Outcome>;
 
     fn handle(&mut self, msg: Deliver, _ctx: &mut Context<Self>) -> Self::Result {
-        let work = self.work();
+        let work = self.work(&msg.consumer);
         let span = msg.envelope.span.clone();
         let timeout = self.transaction_timeout;
         Box::pin(
@@ -169,7 +184,7 @@ impl actix::Handler<DeliverBatch> for DedupActor {
     type Result = ResponseFuture<Vec<Outcome>>;
 
     fn handle(&mut self, msg: DeliverBatch, _ctx: &mut Context<Self>) -> Self::Result {
-        let work = self.work();
+        let work = self.work(&msg.consumer);
         let stats = Arc::clone(&self.stats);
         let size = msg.envelopes.len();
         let lane = Arc::clone(
@@ -213,6 +228,8 @@ async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<
 
 /// What processing needs, taken from the actor.
 pub(crate) struct Work {
+    /// The claim's duration: the wait on a concurrent copy's row lock.
+    pub(crate) claim_wait: Histogram,
     pub(crate) pool: Pool,
     pub(crate) outbox: Option<Outbox>,
     pub(crate) store: Arc<dyn DynInboxStore>,
@@ -247,7 +264,10 @@ impl Work {
             Ok(uow) => uow,
             Err(abandoned) => return Outcome::Abandoned(abandoned),
         };
-        match self.store.try_begin(&mut uow, &key).await {
+        let claiming = Instant::now();
+        let claim = self.store.try_begin(&mut uow, &key).await;
+        self.claim_wait.record(claiming.elapsed().as_secs_f64());
+        match claim {
             Ok(Claim::Proceed) => {}
             Ok(Claim::Duplicate) => {
                 let _ = roll_back(uow).await;

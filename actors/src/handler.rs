@@ -21,6 +21,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use futures_util::FutureExt;
 use inbox::{DynEventHandler, Envelope, IntegrationEvent, MessageContext, Permanent, UnitOfWork};
+use metrics::Histogram;
 use tracing::Instrument;
 
 /// Run the handlers for one message inside its unit of work.
@@ -117,13 +118,19 @@ impl<E> HandlerSource<E> {
 pub(crate) struct HandlerActor<E: IntegrationEvent> {
     sources: Vec<HandlerSource<E>>,
     handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
+    /// `inbox_handler_duration_seconds` of `E`.
+    duration: Histogram,
 }
 
 impl<E: IntegrationEvent> HandlerActor<E> {
     /// An actor over the handlers of `sources`, which run in this order.
     pub(crate) fn new(sources: Vec<HandlerSource<E>>) -> Self {
         let handlers = sources.iter().map(HandlerSource::build).collect();
-        Self { sources, handlers }
+        Self {
+            sources,
+            handlers,
+            duration: crate::metrics::handler_duration(E::TYPE),
+        }
     }
 }
 
@@ -150,7 +157,8 @@ impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
         let handlers = Arc::clone(&self.handlers);
         let myself = ctx.address();
         let span = msg.envelope.span.clone();
-        Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself).instrument(span))
+        let timer = HandlerTimer::start(&self.duration);
+        Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer).instrument(span))
     }
 }
 
@@ -160,7 +168,8 @@ impl<E: IntegrationEvent> actix::Handler<HandleBatch> for HandlerActor<E> {
     fn handle(&mut self, msg: HandleBatch, ctx: &mut Context<Self>) -> Self::Result {
         let handlers = Arc::clone(&self.handlers);
         let myself = ctx.address();
-        Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself))
+        let timer = HandlerTimer::start(&self.duration);
+        Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself, timer))
     }
 }
 
@@ -179,6 +188,8 @@ async fn run_handlers<E: IntegrationEvent>(
     envelopes: Vec<Arc<Envelope>>,
     mut uow: UnitOfWork,
     myself: Addr<HandlerActor<E>>,
+    // Records when the handlers are done, whichever way they end.
+    _timer: HandlerTimer,
 ) -> Handled {
     let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
     for envelope in &envelopes {
@@ -235,6 +246,27 @@ async fn run_handlers<E: IntegrationEvent>(
         }
     }
     Handled::Done(uow)
+}
+
+/// Records the handlers' duration when dropped, whichever way they end.
+struct HandlerTimer {
+    started: std::time::Instant,
+    duration: Histogram,
+}
+
+impl HandlerTimer {
+    fn start(duration: &Histogram) -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            duration: duration.clone(),
+        }
+    }
+}
+
+impl Drop for HandlerTimer {
+    fn drop(&mut self) {
+        self.duration.record(self.started.elapsed().as_secs_f64());
+    }
 }
 
 /// An error's text cut to what a log line and a header can carry: it may

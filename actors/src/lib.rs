@@ -33,7 +33,9 @@
 //! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
 //! queue's connection, and reconnecting it), `acks.rs` (the window of
 //! unsettled deliveries), `availability.rs` (the gate that waits out a
-//! database outage), `publisher.rs`, `stats.rs`, `runtime.rs`.
+//! database outage), `health.rs` (liveness and readiness), `metrics.rs`
+//! (what the runtime records through the `metrics` facade),
+//! `publisher.rs`, `stats.rs`, `runtime.rs`.
 
 mod acks;
 mod availability;
@@ -41,7 +43,9 @@ mod batch;
 mod consumer;
 mod dedup;
 mod handler;
+mod health;
 mod link;
+pub mod metrics;
 mod outbox;
 mod publisher;
 mod retention;
@@ -50,10 +54,11 @@ mod settle;
 mod stats;
 
 pub use dedup::{DedupActor, Deliver, DeliverBatch};
+pub use health::{Health, HealthCheck, Probe};
 pub use inbox::{Abandoned, Outcome};
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, Sweep};
-pub use runtime::{Runtime, RuntimeBuilder};
+pub use runtime::{Runtime, RuntimeBuilder, shutdown_signal};
 pub use stats::{Stats, StatsSnapshot};
 
 pub use inbox;

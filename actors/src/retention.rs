@@ -82,6 +82,10 @@ impl Actor for RetentionActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        // Once at start, so that a service redeployed more often than the
+        // interval still sweeps, and the row gauges are known at once;
+        // then every interval.
+        ctx.spawn(self.sweep().map(|_, _, _| ()));
         ctx.run_interval(self.settings.interval, |actor, ctx| {
             if !actor.sweeping {
                 ctx.spawn(actor.sweep().map(|_, _, _| ()));

@@ -5,6 +5,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::prelude::*;
 use futures_util::future::join_all;
@@ -19,6 +20,7 @@ use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::dedup::{DedupActor, Route, Routes};
 use crate::handler::{HandlerActor, HandlerSource};
+use crate::health::{Health, HealthCheck, HealthState};
 use crate::link::Link;
 use crate::outbox::{OutboxActor, StopDispatching};
 use crate::publisher::Publisher;
@@ -155,6 +157,13 @@ impl RuntimeBuilder {
             }
         });
 
+        crate::metrics::describe();
+        let database = Arc::new(DatabaseGate::new(pool.clone(), &settings));
+        let consumed = match settings.message_bus.provider {
+            Provider::Rabbitmq => settings.queues.iter().map(|q| q.name.clone()).collect(),
+            Provider::InProcess => Vec::new(),
+        };
+        let health = Arc::new(HealthState::new(consumed, Arc::clone(&database)));
         let routes: Routes = routes
             .into_iter()
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
@@ -182,10 +191,17 @@ impl RuntimeBuilder {
             wake: Arc::new(Notify::new()),
             after_commit,
         });
+        for (event_type, route) in &routes {
+            let handler = route.one.downgrade();
+            health.watch_actor(format!("handler actor of {event_type}"), move || {
+                handler.upgrade().is_some_and(|handler| handler.connected())
+            });
+        }
         let dedup = {
             let (pool, stats, outbox) = (pool.clone(), Arc::clone(&stats), outbox.clone());
             let timeout = settings.database.transaction_timeout;
-            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout, outbox))
+            let queues = settings.queues.clone();
+            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout, outbox, &queues))
         };
 
         // Rows of an enabled period stay while the inbox is off: nothing
@@ -193,6 +209,10 @@ impl RuntimeBuilder {
         let retention = inbox_on.then(|| {
             RetentionActor::new(pool.clone(), settings.retention.clone(), Arc::clone(&stats)).start()
         });
+        health.watch_actor("dedup actor", running(&dedup));
+        if let Some(retention) = &retention {
+            health.watch_actor("retention actor", running(retention));
+        }
 
         let runtime = Runtime {
             publisher: Publisher::in_process(
@@ -212,6 +232,8 @@ impl RuntimeBuilder {
             consumers: Vec::new(),
             retention,
             stats,
+            database,
+            health,
         };
         let mut runtime = if runtime.settings.message_bus.provider == Provider::Rabbitmq {
             match runtime.connect_broker(outbox_on).await {
@@ -287,6 +309,9 @@ pub struct Runtime {
     retention: Option<Addr<RetentionActor>>,
     publisher: Publisher,
     stats: Arc<Stats>,
+    /// Waits out database outages; shared by the consumers.
+    database: Arc<DatabaseGate>,
+    health: Arc<HealthState>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -348,9 +373,10 @@ impl Runtime {
             let (pool, settings, outbox) = (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
             let stats = Arc::clone(&self.stats);
             let listen_to = self.settings.pg_config().ok();
-            self.dispatcher = Some(Supervisor::start(move |_| {
-                OutboxActor::new(pool, sink, settings, outbox, stats, listen_to)
-            }));
+            let dispatcher =
+                Supervisor::start(move |_| OutboxActor::new(pool, sink, settings, outbox, stats, listen_to));
+            self.health.watch_actor("outbox dispatcher", running(&dispatcher));
+            self.dispatcher = Some(dispatcher);
         }
     }
 
@@ -369,18 +395,23 @@ impl Runtime {
         }
         let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
         tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
-        let database = Arc::new(DatabaseGate::new(self.pool.clone(), &self.settings));
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue).await?;
+            let connected = Arc::new(AtomicBool::new(false));
             let actor = ConsumerActor::new(
                 &self.settings,
                 queue,
                 link,
                 self.dedup.clone(),
                 Arc::clone(&self.stats),
-                Arc::clone(&database),
-            );
-            self.consumers.push(actor.start());
+                Arc::clone(&self.database),
+                Arc::clone(&connected),
+            )
+            .start();
+            self.health.watch_consumer(&queue.name, connected);
+            self.health
+                .watch_actor(format!("consumer of {}", queue.name), running(&actor));
+            self.consumers.push(actor);
         }
         Ok(())
     }
@@ -389,6 +420,20 @@ impl Runtime {
     /// straight to the handlers for `in_process`.
     pub fn publisher(&self) -> &Publisher {
         &self.publisher
+    }
+
+    /// Liveness and readiness now, with the reasons (see [`Health`]).
+    pub async fn health(&self) -> Health {
+        self.health_check().check().await
+    }
+
+    /// A handle on [`health`](Self::health) to keep after the runtime has
+    /// moved into [`run_until`](Self::run_until): give it to the health
+    /// endpoints.
+    pub fn health_check(&self) -> HealthCheck {
+        HealthCheck {
+            state: Arc::clone(&self.health),
+        }
     }
 
     /// What the runtime has done so far.
@@ -455,7 +500,7 @@ impl Runtime {
     /// [`run_until`](Self::run_until) SIGINT or SIGTERM (Ctrl-C on other
     /// systems). The signals are listened for before consuming starts.
     pub async fn run_until_signal(self) -> Result<()> {
-        let signal = signal()?;
+        let signal = shutdown_signal()?;
         self.run_until(async {
             signal.await;
             tracing::info!("shutdown signal received");
@@ -467,6 +512,7 @@ impl Runtime {
     /// `runtime.shutdown_timeout`; what does not finish is redelivered
     /// later), then closes the broker connections and the pool.
     pub async fn shutdown(self) {
+        self.health.draining.store(true, Ordering::Relaxed);
         let drains = join_all(self.consumers.iter().map(|consumer| consumer.send(Drain)));
         let timeout = self.settings.runtime.shutdown_timeout;
         if tokio::time::timeout(timeout, drains).await.is_err() {
@@ -521,7 +567,18 @@ fn hand_over(mut held: tokio::sync::mpsc::UnboundedReceiver<inbox::Outgoing>, si
 /// A future that resolves on SIGINT or SIGTERM (Ctrl-C elsewhere); the
 /// handlers are in place once this returns. A signal handler that cannot
 /// be installed, or fails later, is an error now, or a shutdown then.
-fn signal() -> Result<impl Future<Output = ()>> {
+/// Whether the actor at `address` runs, asked without keeping it alive.
+fn running<A: Actor>(address: &Addr<A>) -> impl Fn() -> bool + Send + Sync + 'static {
+    let weak = address.downgrade();
+    move || weak.upgrade().is_some_and(|address| address.connected())
+}
+
+/// What [`Runtime::run_until_signal`] waits for: SIGINT or SIGTERM (Ctrl-C
+/// on other systems), listened for from this call on. A service that also
+/// serves HTTP hands it to one task that stops the server and ends the
+/// runtime's [`run_until`](Runtime::run_until) future, so that one signal
+/// drains both at once.
+pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};

@@ -28,6 +28,7 @@ use tracing::Instrument;
 use crate::acks::{AckWindow, Ticket};
 use crate::availability::DatabaseGate;
 use crate::dedup::{DedupActor, Deliver, DeliverBatch};
+use crate::metrics::QueueMetrics;
 use crate::stats::{Counter, Stats};
 
 /// How long to wait before handing a message back to the broker when it
@@ -44,6 +45,8 @@ pub(crate) struct Settler {
     pub(crate) forwarder: AmqpPublisher,
     pub(crate) failure: FailureSettings,
     pub(crate) stats: Arc<Stats>,
+    /// This queue's metrics.
+    pub(crate) metrics: Arc<QueueMetrics>,
     pub(crate) database: Arc<DatabaseGate>,
     /// `queues[].concurrent_batches`.
     pub(crate) concurrent_batches: u16,
@@ -69,6 +72,13 @@ pub(crate) struct Malformed {
 }
 
 impl Settler {
+    /// Counts in the stats and, for the outcomes it knows, in the queue's
+    /// metrics: one place for both.
+    fn count(&self, counter: Counter) {
+        self.stats.add(counter);
+        self.metrics.outcome(counter);
+    }
+
     /// Checks a delivery's size and decodes it.
     pub(crate) fn prepare(
         &self,
@@ -250,12 +260,13 @@ impl Settler {
                         // prefetch stops further deliveries) until the
                         // database answers, and spend none of its attempts.
                         tracing::debug!(%reason, "database unavailable; holding the message");
-                        self.stats.add(Counter::Held);
+                        self.count(Counter::Held);
                         let outage_seen = self.database.wait_until_available(&reason).await;
                         history.record_hold(outage_seen);
                     }
                     Action::Retry { after, failure } => {
-                        self.stats.add(Counter::Abandoned);
+                        self.count(Counter::Abandoned);
+                        self.count(Counter::Retried);
                         tracing::warn!(
                             stage = %failure.stage,
                             reason = %failure.reason,
@@ -267,7 +278,7 @@ impl Settler {
                     }
                     Action::Move { to, failure } => {
                         if matches!(to, Target::RetryTier(_) | Target::Exhausted) {
-                            self.stats.add(Counter::Abandoned);
+                            self.count(Counter::Abandoned);
                         }
                         self.move_to(to, failure, &delivery, ticket, &envelope.body).await;
                         return;
@@ -282,12 +293,14 @@ impl Settler {
     /// Counts an ack, and the latency of the delivery it settled.
     fn acked(&self, result: inbox::lapin::Result<bool>, duplicate: bool, arrived: Instant) {
         check_settled(result, "ack", &self.stats);
-        self.stats.add(if duplicate {
+        self.count(if duplicate {
             Counter::Duplicates
         } else {
             Counter::Completed
         });
-        self.stats.record_latency(arrived.elapsed());
+        let latency = arrived.elapsed();
+        self.stats.record_latency(latency);
+        self.metrics.processed_in(latency);
     }
 
     /// Publishes a copy of the delivery, with the failure in its headers,
@@ -320,11 +333,11 @@ impl Settler {
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
-                self.stats.add(counter);
+                self.count(counter);
             }
             Err(e) => {
                 tracing::error!(error = %e, "could not move the message to {queue}; handing it back to the broker");
-                self.stats.add(Counter::MovesHandedBack);
+                self.count(Counter::MovesHandedBack);
                 tokio::time::sleep(MOVE_FAILED_PAUSE).await;
                 let options = BasicNackOptions {
                     requeue: true,

@@ -14,6 +14,7 @@ pub struct Stats {
     completed: AtomicU64,
     duplicates: AtomicU64,
     abandoned: AtomicU64,
+    retried: AtomicU64,
     rejected: AtomicU64,
     skipped: AtomicU64,
     delayed: AtomicU64,
@@ -46,6 +47,9 @@ pub struct StatsSnapshot {
     /// Attempts that failed (a handler failed or panicked, or the database
     /// did) and were rolled back; each is retried, delayed or dead-lettered.
     pub abandoned: u64,
+    /// Failed attempts run again at once (immediate retries, after their
+    /// short pause).
+    pub retried: u64,
     /// Malformed (bad properties, a body too large or not the event): sent
     /// to the error queue without retries.
     pub rejected: u64,
@@ -97,6 +101,7 @@ pub(crate) enum Counter {
     Completed,
     Duplicates,
     Abandoned,
+    Retried,
     Rejected,
     Skipped,
     Delayed,
@@ -114,6 +119,7 @@ impl Default for Stats {
             completed: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
             abandoned: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             delayed: AtomicU64::new(0),
@@ -169,6 +175,7 @@ impl Stats {
             Counter::Completed => &self.completed,
             Counter::Duplicates => &self.duplicates,
             Counter::Abandoned => &self.abandoned,
+            Counter::Retried => &self.retried,
             Counter::Rejected => &self.rejected,
             Counter::Skipped => &self.skipped,
             Counter::Delayed => &self.delayed,
@@ -189,6 +196,8 @@ impl Stats {
         }
         self.sweeps.fetch_add(1, Ordering::Relaxed);
         self.swept_rows.fetch_add(report.rows, Ordering::Relaxed);
+        crate::metrics::swept(report.rows);
+        crate::metrics::inbox_rows(report.inbox_rows, report.oldest_inbox_row);
         let micros = u64::try_from(report.longest_batch.as_micros()).unwrap_or(u64::MAX);
         self.longest_sweep_batch_micros
             .fetch_max(micros, Ordering::Relaxed);
@@ -198,12 +207,14 @@ impl Stats {
         let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
         self.outbox_dispatched
             .fetch_add(count(report.dispatched), Ordering::Relaxed);
+        crate::metrics::outbox_dispatched(report.dispatched);
         self.outbox_failed
             .fetch_add(count(report.failed + report.dead), Ordering::Relaxed);
         self.outbox_dead.fetch_add(count(report.dead), Ordering::Relaxed);
     }
 
     pub(crate) fn record_backlog(&self, backlog: &inbox::outbox::Backlog) {
+        crate::metrics::outbox_backlog(backlog);
         self.outbox_pending.store(backlog.pending, Ordering::Relaxed);
         let oldest = backlog
             .oldest_pending
@@ -218,6 +229,7 @@ impl Stats {
             completed: read(&self.completed),
             duplicates: read(&self.duplicates),
             abandoned: read(&self.abandoned),
+            retried: read(&self.retried),
             rejected: read(&self.rejected),
             skipped: read(&self.skipped),
             delayed: read(&self.delayed),

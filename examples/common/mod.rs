@@ -271,3 +271,27 @@ pub(crate) fn settings() -> inbox::Result<ValidSettings> {
         }
     })
 }
+
+/// Installs the Prometheus recorder as the `metrics` facade's, with every
+/// `*_seconds` metric rendered as a histogram, and keeps it tidy (the
+/// exporter wants its upkeep run now and then). Install it before building
+/// the runtime: the runtime registers its metrics as it builds.
+pub(crate) fn install_prometheus() -> inbox::Result<metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    const SECONDS: &[f64] = &[
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)
+        .and_then(PrometheusBuilder::install_recorder)
+        .map_err(|e| inbox::Error::Runtime(format!("cannot install the Prometheus recorder: {e}")))?;
+    let upkeep = handle.clone();
+    actix_rt::spawn(async move {
+        let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}

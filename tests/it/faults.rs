@@ -3,19 +3,8 @@ use std::time::Duration;
 use inbox::Message;
 use inbox_actors::Runtime;
 
-use crate::proxy::Proxy;
+use crate::proxy::{broker_through_proxy, database_through_proxy};
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, publish_keys, wait_until};
-
-/// Points `settings` at PostgreSQL through a proxy the test can cut.
-async fn through_proxy(settings: &mut inbox::Settings) -> Proxy {
-    let real = settings.pg_config().unwrap();
-    let port = real.get_ports().first().copied().unwrap_or(5432);
-    let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
-    let user = real.get_user().unwrap_or("postgres");
-    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/postgres", proxy.port);
-    settings.database.connect_timeout = Duration::from_secs(1);
-    proxy
-}
 
 #[actix_rt::test]
 async fn a_database_outage_pauses_consumption_and_loses_nothing() {
@@ -23,7 +12,7 @@ async fn a_database_outage_pauses_consumption_and_loses_nothing() {
     let logs = Captured::default();
     let _capturing = logs.install();
     let mut settings = env.settings();
-    let proxy = through_proxy(&mut settings).await;
+    let proxy = database_through_proxy(&mut settings).await;
     let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .start()
@@ -200,7 +189,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     let logs = Captured::default();
     let _capturing = logs.install();
     let mut settings = env.settings();
-    let proxy = through_proxy(&mut settings).await;
+    let proxy = database_through_proxy(&mut settings).await;
     settings.queues[0].prefetch = 8;
     settings.queues[0].batch_size = 4;
     settings.failure.delays = Vec::new();
@@ -256,7 +245,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
 async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing() {
     let env = TestEnv::new("database_blackhole").await;
     let mut settings = env.settings();
-    let proxy = through_proxy(&mut settings).await;
+    let proxy = database_through_proxy(&mut settings).await;
     settings.database.transaction_timeout = Duration::from_secs(2);
     let runtime = Runtime::builder(settings.valid())
         .handler(Count)
@@ -296,10 +285,7 @@ async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing(
 async fn a_broker_network_that_drops_packets_holds_messages_and_loses_nothing() {
     let env = TestEnv::new("broker_blackhole").await;
     let mut settings = env.settings();
-    let proxy = Proxy::start(([127, 0, 0, 1], 5672).into()).await;
-    // Heartbeats are what notices a silent broker.
-    settings.message_bus.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2", proxy.port);
-    settings.message_bus.connect_timeout = Duration::from_secs(2);
+    let proxy = broker_through_proxy(&mut settings).await;
     settings.message_bus.confirm_timeout = Duration::from_secs(2);
     let runtime = Runtime::builder(settings.valid())
         .handler(Count)

@@ -30,3 +30,5 @@ mod startup;
 mod outbox;
 // Hosting: migrations, the startup warning, in-process, the opt-out, hand-written stores.
 mod hosting;
+// Operability: health through outages and shutdown, metrics by queue and outcome.
+mod operability;
