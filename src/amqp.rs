@@ -16,6 +16,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::envelope::JSON;
@@ -23,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::fault;
 use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSettings, Settings};
+use crate::trace::TraceContext;
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
@@ -349,9 +351,10 @@ impl AmqpPublisher {
             .await
     }
 
-    /// Publishes `body` with `properties` as they are. Fails unless the
-    /// broker confirms it, within the confirm timeout, and routed it to at
-    /// least one queue.
+    /// Publishes `body` with `properties` as they are (with the
+    /// `opentelemetry` feature, a message without a `traceparent` gets the
+    /// publish span's). Fails unless the broker confirms it, within the
+    /// confirm timeout, and routed it to at least one queue.
     pub async fn publish_raw(
         &self,
         routing_key: &str,
@@ -363,8 +366,32 @@ impl AmqpPublisher {
     }
 
     /// [`publish_raw`](Self::publish_raw) to `exchange` rather than this
-    /// publisher's own.
+    /// publisher's own, in a span named `publish {routing_key}` after
+    /// OpenTelemetry's messaging conventions. A message that carries a
+    /// trace context (one staged through the outbox, or moved to a retry
+    /// tier) has its publish span in that trace.
     pub async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        mut properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        let carried = properties.headers().as_ref().and_then(TraceContext::from_headers);
+        let span = publish_span(exchange, routing_key, &properties, carried.as_ref());
+        if carried.is_none()
+            && let Some(trace) = span.in_scope(|| TraceContext::current(None))
+        {
+            let mut headers = properties.headers().clone().unwrap_or_default();
+            trace.insert_into(&mut headers);
+            properties = properties.with_headers(headers);
+        }
+        self.confirmed(exchange, routing_key, properties, body)
+            .instrument(span)
+            .await
+    }
+
+    async fn confirmed(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -591,4 +618,37 @@ fn without_headers(properties: BasicProperties, removed: &[&str]) -> BasicProper
     removed.push(fault::headers::DELIVERY_COUNT);
     let kept = fault::without(headers, &removed);
     properties.with_headers(kept)
+}
+
+/// The span of one publish: `publish {routing_key}`, a producer, with
+/// OpenTelemetry's messaging attributes; in the trace `carried`, if the
+/// message carries one.
+fn publish_span(
+    exchange: &str,
+    routing_key: &str,
+    properties: &BasicProperties,
+    carried: Option<&TraceContext>,
+) -> tracing::Span {
+    let message_id = properties.message_id().as_ref().map_or("", |id| id.as_str());
+    // The default exchange routes straight to the queue named by the key.
+    let destination = if exchange.is_empty() {
+        routing_key
+    } else {
+        exchange
+    };
+    let span = tracing::info_span!(
+        "publish",
+        otel.name = %format_args!("publish {routing_key}"),
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "send",
+        messaging.destination.name = destination,
+        messaging.message.id = message_id,
+        messaging.rabbitmq.destination.routing_key = routing_key,
+        trace_id = tracing::field::Empty,
+    );
+    if let Some(trace) = carried {
+        trace.adopt(&span);
+    }
+    span
 }

@@ -1,10 +1,12 @@
 //! [`MessageContext`]: what a handler knows of the message it handles,
 //! through its unit of work.
 
+use lapin::types::FieldTable;
 use uuid::Uuid;
 
 use crate::envelope::Envelope;
 use crate::fault::{MAX_VALUE_BYTES, truncate};
+use crate::trace::TraceContext;
 
 /// The header that ties together every message of one flow: copied from
 /// the message a follow-up is staged for, or that message's own id.
@@ -16,7 +18,7 @@ pub const CAUSATION_ID: &str = "causation_id";
 /// in a handler with [`UnitOfWork::context`](crate::UnitOfWork::context)
 /// (one message) or [`UnitOfWork::contexts`](crate::UnitOfWork::contexts)
 /// (a batch, in the order of its events).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct MessageContext {
     /// The message's id.
@@ -29,6 +31,14 @@ pub struct MessageContext {
     pub correlation_id: Option<String>,
     /// Its `causation_id` header, if it had one (untrusted, bounded).
     pub causation_id: Option<String>,
+    /// Which attempt this is, from 1: every delivery of the message and
+    /// every immediate retry counts.
+    pub attempt: u32,
+    /// Its publisher's trace context (`traceparent`, `tracestate`), if
+    /// valid. Follow-ups staged for it carry a child of it.
+    pub trace: Option<TraceContext>,
+    /// Every AMQP header, as received (untrusted).
+    pub headers: FieldTable,
 }
 
 impl MessageContext {
@@ -49,6 +59,9 @@ impl MessageContext {
             redelivered: envelope.redelivered,
             correlation_id: text(CORRELATION_ID),
             causation_id: text(CAUSATION_ID),
+            attempt: envelope.attempt,
+            trace: envelope.trace.clone(),
+            headers: envelope.headers.clone(),
         }
     }
 

@@ -8,6 +8,7 @@ use lapin::types::FieldTable;
 use uuid::Uuid;
 
 use crate::event::{IntegrationEvent, Message};
+use crate::trace::TraceContext;
 
 /// A delivery decoded per the wire contract: `message_id` (a UUID, the dedup
 /// key) and `type` (routes to handlers) are required, the body is JSON.
@@ -23,9 +24,20 @@ pub struct Envelope {
     pub headers: FieldTable,
     /// Whether the broker says it delivered this message before.
     pub redelivered: bool,
-    /// The span all work on this message runs in: `message_id`, `type`,
-    /// `consumer`, `redelivered` and, over a consumer, `attempt` (counted
-    /// over every delivery, from the message's fault headers).
+    /// Which attempt this is, from 1: counted over every delivery of the
+    /// message (its fault headers) and every immediate retry.
+    pub attempt: u32,
+    /// The publisher's trace context, from its `traceparent` and
+    /// `tracestate` headers, if valid.
+    pub trace: Option<TraceContext>,
+    /// The span all work on this message runs in, named `process {queue}`
+    /// after OpenTelemetry's messaging conventions (`messaging.system`,
+    /// `messaging.destination.name`, `messaging.message.id`,
+    /// `messaging.operation.type`,
+    /// `messaging.rabbitmq.destination.routing_key`), with `message_id`,
+    /// `type`, `consumer`, `redelivered`, `attempt` and `trace_id` for logs.
+    /// A child of the publisher's context (with the `opentelemetry`
+    /// feature).
     pub span: tracing::Span,
 }
 
@@ -75,26 +87,54 @@ impl Envelope {
         {
             return Err(DecodeError::NotJson(content_type.as_str().to_owned()));
         }
+        let headers = properties.headers().clone().unwrap_or_default();
+        let trace = TraceContext::from_headers(&headers);
         Ok(Self {
-            span: span(message_id, &event_type, consumer, redelivered),
+            span: span(message_id, &event_type, consumer, redelivered, trace.as_ref()),
             message_id,
             event_type,
             body: std::mem::take(body),
-            headers: properties.headers().clone().unwrap_or_default(),
+            headers,
             redelivered,
+            attempt: 1,
+            trace,
         })
+    }
+
+    /// Records where it was consumed in its span: the queue (its name is
+    /// the span's) and the routing key it was published with.
+    pub fn consumed_from(&self, queue: &str, routing_key: &str) {
+        self.span.record("otel.name", format!("process {queue}"));
+        self.span.record("messaging.destination.name", queue);
+        self.span
+            .record("messaging.rabbitmq.destination.routing_key", routing_key);
+    }
+
+    /// Marks it as attempt `attempt`, in its span too.
+    pub fn set_attempt(&mut self, attempt: u32) {
+        self.attempt = attempt;
+        self.span.record("attempt", attempt);
     }
 
     /// The envelope of a message published in process, for `consumer`.
     pub fn from_message<E: IntegrationEvent>(message: &Message<E>, consumer: &str) -> crate::Result<Self> {
-        Ok(Self {
-            span: span(message.id, E::TYPE, consumer, false),
+        let trace = TraceContext::current(None);
+        let mut headers = FieldTable::default();
+        if let Some(trace) = &trace {
+            trace.insert_into(&mut headers);
+        }
+        let envelope = Self {
+            span: span(message.id, E::TYPE, consumer, false, trace.as_ref()),
             message_id: message.id,
             event_type: E::TYPE.to_owned(),
             body: message.to_json()?,
-            headers: FieldTable::default(),
+            headers,
             redelivered: false,
-        })
+            attempt: 1,
+            trace,
+        };
+        envelope.consumed_from(consumer, consumer);
+        Ok(envelope)
     }
 }
 
@@ -103,28 +143,60 @@ impl Envelope {
     /// [`UnitOfWork::publish`](crate::UnitOfWork::publish), delivered in
     /// process to `consumer`.
     pub fn from_outgoing(outgoing: &crate::outbox::Outgoing, consumer: &str) -> Self {
-        Self {
-            span: span(outgoing.message_id, &outgoing.message_type, consumer, false),
+        let headers = outgoing.amqp_headers();
+        let trace = TraceContext::from_headers(&headers);
+        let envelope = Self {
+            span: span(
+                outgoing.message_id,
+                &outgoing.message_type,
+                consumer,
+                false,
+                trace.as_ref(),
+            ),
             message_id: outgoing.message_id,
             event_type: outgoing.message_type.clone(),
             body: outgoing.body.clone(),
-            headers: outgoing.amqp_headers(),
+            headers,
             redelivered: false,
-        }
+            attempt: 1,
+            trace,
+        };
+        envelope.consumed_from(consumer, &outgoing.routing_key);
+        envelope
     }
 }
 
-fn span(message_id: Uuid, event_type: &str, consumer: &str, redelivered: bool) -> tracing::Span {
-    // `attempt` is recorded by the consumer, from the message's failure
-    // history, before each attempt.
-    tracing::info_span!(
-        "message",
+fn span(
+    message_id: Uuid,
+    event_type: &str,
+    consumer: &str,
+    redelivered: bool,
+    trace: Option<&TraceContext>,
+) -> tracing::Span {
+    use tracing::field::Empty;
+    // The queue and routing key are recorded by `consumed_from`; `attempt`
+    // by the consumer, from the message's failure history, before each
+    // attempt.
+    let span = tracing::info_span!(
+        "process",
+        otel.name = Empty,
+        otel.kind = "consumer",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "process",
+        messaging.destination.name = Empty,
+        messaging.message.id = %message_id,
+        messaging.rabbitmq.destination.routing_key = Empty,
         %message_id,
         r#type = event_type,
         consumer,
         redelivered,
-        attempt = tracing::field::Empty
-    )
+        attempt = Empty,
+        trace_id = Empty,
+    );
+    if let Some(trace) = trace {
+        trace.adopt(&span);
+    }
+    span
 }
 
 pub(crate) const JSON: &str = "application/json";
@@ -175,6 +247,26 @@ mod tests {
             (env.message_id, env.event_type.as_str(), env.redelivered),
             (id, "T", true)
         );
+    }
+
+    #[test]
+    fn reads_the_publishers_trace_context_and_ignores_an_invalid_one() {
+        let id = Uuid::now_v7().to_string();
+        let traced = |traceparent: &str| {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                crate::trace::TRACEPARENT.into(),
+                lapin::types::AMQPValue::LongString(traceparent.into()),
+            );
+            let properties = props(Some(&id), Some("T")).with_headers(headers);
+            Envelope::decode(&properties, &mut b"{}".to_vec(), false, "c").unwrap()
+        };
+        let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(
+            traced(valid).trace.map(|t| t.trace_id().to_owned()).as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(traced("00-not-a-trace-01").trace, None);
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub mod policy;
 mod retention;
 mod settings;
 mod store;
+pub mod trace;
 mod unit_of_work;
 
 pub mod amqp;
@@ -70,6 +71,7 @@ pub use settings::{
     QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
+pub use trace::TraceContext;
 pub use unit_of_work::{Nested, Outbox, UnitOfWork};
 
 // The dependencies that appear in this crate's signatures, so users never

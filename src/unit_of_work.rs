@@ -12,6 +12,7 @@ use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::outbox::Outgoing;
+use crate::trace::TraceContext;
 
 /// One message's open transaction over a pooled connection. The inbox claim
 /// and every handler's writes run in it and commit together, or not at all.
@@ -286,11 +287,7 @@ impl UnitOfWork {
             exchange: outbox.exchange.to_string(),
             routing_key: routing_key.to_owned(),
             message_type: E::TYPE.to_owned(),
-            headers: cause
-                .map(|cause| cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v)))
-                .into_iter()
-                .flatten()
-                .collect(),
+            headers: follow_up_headers(cause),
             body: message.to_json()?,
         };
         if outbox.after_commit.is_some() {
@@ -404,6 +401,20 @@ impl UnitOfWork {
         self.finished = true;
         Ok(())
     }
+}
+
+/// The headers of a message staged now, as a follow-up of `cause` if any:
+/// its correlation and causation ids, and the trace context, which goes on
+/// with the row however late it is dispatched.
+fn follow_up_headers(cause: Option<&MessageContext>) -> Vec<(String, String)> {
+    let mut headers: Vec<(String, String)> = Vec::new();
+    if let Some(cause) = cause {
+        headers.extend(cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v)));
+    }
+    if let Some(trace) = TraceContext::current(cause.and_then(|cause| cause.trace.as_ref())) {
+        headers.extend(trace.headers().map(|(k, v)| (k.to_owned(), v)));
+    }
+    headers
 }
 
 impl Drop for UnitOfWork {

@@ -115,13 +115,17 @@ impl Settler {
             delivery.redelivered,
             &self.consumer,
         ) {
-            Ok(envelope) => Ok(Pending {
-                delivery,
-                ticket,
-                envelope: Arc::new(envelope),
-                history,
-                arrived,
-            }),
+            Ok(mut envelope) => {
+                envelope.consumed_from(&self.queue, delivery.routing_key.as_str());
+                envelope.set_attempt(history.next_attempt());
+                Ok(Pending {
+                    delivery,
+                    ticket,
+                    envelope: Arc::new(envelope),
+                    history,
+                    arrived,
+                })
+            }
             Err(e) => Err(Box::new(Malformed {
                 delivery,
                 ticket,
@@ -227,17 +231,22 @@ impl Settler {
         let Pending {
             delivery,
             ticket,
-            envelope,
+            mut envelope,
             mut history,
             arrived,
         } = pending;
         let span = envelope.span.clone();
         async move {
             loop {
-                tracing::Span::current().record("attempt", history.next_attempt());
                 let outcome = match first.take() {
                     Some(outcome) => outcome,
                     None => {
+                        // Handlers see which attempt this is.
+                        if envelope.attempt != history.next_attempt() {
+                            let mut next = (*envelope).clone();
+                            next.set_attempt(history.next_attempt());
+                            envelope = Arc::new(next);
+                        }
                         let deliver = Deliver {
                             consumer: Arc::clone(&self.consumer),
                             envelope: Arc::clone(&envelope),

@@ -32,3 +32,5 @@ mod outbox;
 mod hosting;
 // Operability: health through outages and shutdown, metrics by queue and outcome.
 mod operability;
+// Traces: W3C trace context across publish, the outbox and consume.
+mod traces;

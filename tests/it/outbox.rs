@@ -36,7 +36,7 @@ impl EventHandler<Counted> for CountAndForward {
 }
 
 /// Declares `queue`, durable and quorum, as a receiving service would.
-async fn declare_queue(queue: &str) {
+pub(crate) async fn declare_queue(queue: &str) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
