@@ -75,6 +75,12 @@ pub struct UnitOfWork {
     held_at_savepoint: usize,
 }
 
+/// Opens a unit of work's transaction (see [`UnitOfWork::begin`]).
+const BEGIN: &str = "BEGIN";
+
+/// Checks that the transaction is not aborted, then commits.
+const COMMIT: &str = "SELECT 1; COMMIT";
+
 /// A unit of work's outbox: the exchange its staged messages go to, the
 /// dispatcher to wake when a commit has staged some, and, with the outbox
 /// off, where they go straight after the commit instead.
@@ -94,6 +100,14 @@ impl UnitOfWork {
     /// Opens a transaction on `connection`. On a connection from
     /// [`create_pool`](crate::create_pool), lock waits inside it (the inbox
     /// claim's above all) give up after `database.lock_timeout`.
+    ///
+    /// `BEGIN` is sent without waiting for its answer, as
+    /// [`savepoint`](Self::savepoint) is: the first statement (the inbox
+    /// claim) follows it in the same pipeline, a round trip saved per
+    /// message. Its answer is not needed: on a connection that answers, a
+    /// `BEGIN` outside a transaction cannot fail (inside one it only warns,
+    /// and no pooled connection is ever left inside one: see below), and on
+    /// a connection that fails, the statements after it fail too.
     pub async fn begin(connection: Object) -> Result<Self> {
         // Armed before BEGIN is sent: if this future is dropped mid-flight,
         // Drop discards the connection rather than risk pooling an open
@@ -111,7 +125,9 @@ impl UnitOfWork {
             held: Vec::new(),
             held_at_savepoint: 0,
         };
-        uow.client().batch_execute("BEGIN").await?;
+        if let Some(Err(e)) = uow.client().batch_execute(BEGIN).now_or_never() {
+            return Err(e.into());
+        }
         Ok(uow)
     }
 
@@ -371,7 +387,7 @@ impl UnitOfWork {
     pub async fn commit(mut self) -> Result<()> {
         // The probe fails with 25P02 in an aborted transaction, and then
         // COMMIT in the same string is not executed.
-        match self.client().batch_execute("SELECT 1; COMMIT").await {
+        match self.client().batch_execute(COMMIT).await {
             Ok(()) => {
                 self.finished = true;
                 if let Some(outbox) = &self.outbox {
