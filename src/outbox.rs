@@ -18,6 +18,7 @@
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, join_all};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -241,12 +242,13 @@ impl Round {
         // the planner takes `dead_at IS NULL` for rare and picks every
         // matching row through a bitmap, then sorts them, a round costing
         // 25 ms on 50,000 rows, not 2.
-        uow.client()
-            .batch_execute(
-                "SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off;
-                 SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off",
-            )
-            .await?;
+        // Pipelined with BEGIN and the claim, unanswered: were it to fail,
+        // the transaction aborts and the claim fails with it.
+        let settings_sql = "SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off;
+                            SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
+        if let Some(Err(e)) = uow.client().batch_execute(settings_sql).now_or_never() {
+            return Err(e.into());
+        }
         let claim = uow
             .client()
             .prepare_cached(
