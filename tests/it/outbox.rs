@@ -45,6 +45,15 @@ pub(crate) async fn declare_queue(queue: &str) {
     connection.close(200, "done".into()).await.unwrap();
 }
 
+/// A test environment with a queue for follow-ups (`forward`), declared
+/// as a receiving service would, beside its own.
+pub(crate) async fn with_forward_queue(name: &str) -> (TestEnv, String) {
+    let mut env = TestEnv::new(name).await;
+    let forward = env.another_queue("forward");
+    declare_queue(&forward).await;
+    (env, forward)
+}
+
 /// A runtime whose handler counts and forwards each event to `forward`.
 async fn forwarding(settings: inbox::Settings, forward: &str) -> Runtime {
     Runtime::builder(settings.valid())
@@ -110,9 +119,7 @@ async fn arrives_within_10s(env: &TestEnv, queue: &str) -> bool {
 
 #[actix_rt::test]
 async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a_rollback() {
-    let mut env = TestEnv::new("outbox_forward").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_forward").await;
     let mut settings = env.settings();
     settings.failure.delays = Vec::new();
     let runtime = forwarding(settings, &forward).await;
@@ -142,9 +149,7 @@ async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a
 
 #[actix_rt::test]
 async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow() {
-    let mut env = TestEnv::new("outbox_dead").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (mut env, forward) = with_forward_queue("outbox_dead").await;
     let mut settings = env.settings();
     settings.outbox.max_attempts = 2;
     settings.outbox.retry_backoff = Duration::from_millis(50);
@@ -213,9 +218,7 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
 
 #[actix_rt::test]
 async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
-    let mut env = TestEnv::new("outbox_commit").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_commit").await;
     let runtime = Runtime::builder(env.settings().valid())
         .handler(crate::support::Count)
         .start()
@@ -247,9 +250,7 @@ async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
 
 #[actix_rt::test]
 async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
-    let mut env = TestEnv::new("outbox_two_dispatchers").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_two_dispatchers").await;
     let mut settings = env.settings();
     settings.outbox.batch_size = 10;
     let first = Runtime::builder(settings.clone().valid())
@@ -285,9 +286,7 @@ async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
 
 #[actix_rt::test]
 async fn in_a_batch_a_message_rolled_back_to_its_savepoint_takes_its_follow_up_with_it() {
-    let mut env = TestEnv::new("outbox_batch").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_batch").await;
     let mut settings = crate::batching::batching(&env);
     settings.failure.delays = Vec::new();
     crate::batching::prefill_keys(&settings, 0..16).await;
@@ -307,9 +306,7 @@ async fn in_a_batch_a_message_rolled_back_to_its_savepoint_takes_its_follow_up_w
 
 #[actix_rt::test]
 async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
-    let mut env = TestEnv::new("outbox_headers").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_headers").await;
     let runtime = forwarding(env.settings(), &forward).await;
     let (first, second) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     let mut flow = FieldTable::default();
@@ -389,9 +386,7 @@ async fn in_process_a_staged_message_reaches_the_handlers_after_the_commit_never
 
 #[actix_rt::test]
 async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_commit() {
-    let mut env = TestEnv::new("outbox_off").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_off").await;
     let logs = crate::support::Captured::default();
     let _capturing = logs.install();
     let mut settings = env.settings();
@@ -452,9 +447,7 @@ async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
 
 #[actix_rt::test]
 async fn rows_another_process_commits_wake_the_dispatcher_through_notify() {
-    let mut env = TestEnv::new("outbox_notify").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_notify").await;
     let mut settings = env.settings();
     // The poll alone would take a minute.
     settings.outbox.poll_interval = Duration::from_secs(60);
@@ -473,9 +466,7 @@ async fn rows_another_process_commits_wake_the_dispatcher_through_notify() {
 
 #[actix_rt::test]
 async fn a_routing_key_past_255_bytes_is_refused_at_staging_and_parked_at_dispatch() {
-    let mut env = TestEnv::new("outbox_long_key").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_long_key").await;
     let mut settings = env.settings();
     settings.outbox.max_attempts = 1;
     let runtime = Runtime::builder(settings.valid())
@@ -569,9 +560,7 @@ async fn with_a_pool_of_one_connection_a_backlog_drains_round_after_round_in_ord
 
 #[actix_rt::test]
 async fn a_runtimes_own_commits_wake_its_dispatcher_in_process_without_notifying_others() {
-    let mut env = TestEnv::new("outbox_local_wake").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("outbox_local_wake").await;
     let mut settings = env.settings();
     // The poll alone would take a minute.
     settings.outbox.poll_interval = Duration::from_secs(60);

@@ -8,7 +8,7 @@ use inbox::lapin::BasicProperties;
 use inbox::{EventHandler, HandlerError, Message, MessageContext, TraceContext, UnitOfWork};
 use inbox_actors::Runtime;
 
-use crate::outbox::declare_queue;
+use crate::outbox::with_forward_queue;
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
 
 const INCOMING: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -37,9 +37,7 @@ impl EventHandler<Counted> for Remember {
 
 #[actix_rt::test]
 async fn a_handler_sees_the_context_and_a_follow_up_continues_the_trace() {
-    let mut env = TestEnv::new("trace_propagation").await;
-    let forward = env.another_queue("forward");
-    declare_queue(&forward).await;
+    let (env, forward) = with_forward_queue("trace_propagation").await;
     let mut settings = env.settings();
     settings.failure.immediate_retries = 1;
     let seen = Arc::new(Mutex::new(Vec::new()));
