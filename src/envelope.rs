@@ -104,7 +104,14 @@ impl Envelope {
     /// Records where it was consumed in its span: the queue (its name is
     /// the span's) and the routing key it was published with.
     pub fn consumed_from(&self, queue: &str, routing_key: &str) {
-        self.span.record("otel.name", format!("process {queue}"));
+        if self.span.is_disabled() {
+            // Filtered out: no name to format, per message.
+            return;
+        }
+        self.span.record(
+            "otel.name",
+            tracing::field::display(format_args!("process {queue}")),
+        );
         self.span.record("messaging.destination.name", queue);
         self.span
             .record("messaging.rabbitmq.destination.routing_key", routing_key);
