@@ -342,11 +342,7 @@ impl AmqpPublisher {
     /// Publishes `message` with its id as `message_id`, its type as `type`,
     /// JSON content and persistent delivery.
     pub async fn publish<E: IntegrationEvent>(&self, routing_key: &str, message: &Message<E>) -> Result<()> {
-        let properties = BasicProperties::default()
-            .with_message_id(message.id.to_string().into())
-            .with_type(E::TYPE.into())
-            .with_content_type(JSON.into())
-            .with_delivery_mode(PERSISTENT);
+        let properties = message_properties(message.id, E::TYPE);
         self.publish_raw(routing_key, properties, &message.to_json()?)
             .await
     }
@@ -618,6 +614,16 @@ fn without_headers(properties: BasicProperties, removed: &[&str]) -> BasicProper
     removed.push(fault::headers::DELIVERY_COUNT);
     let kept = fault::without(headers, &removed);
     properties.with_headers(kept)
+}
+
+/// The properties of a message the runtime publishes: its id as
+/// `message_id`, its type as `type`, JSON content and persistent delivery.
+pub(crate) fn message_properties(message_id: Uuid, message_type: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(message_id.to_string().into())
+        .with_type(message_type.into())
+        .with_content_type(JSON.into())
+        .with_delivery_mode(PERSISTENT)
 }
 
 /// The span of one publish: `publish {routing_key}`, a producer, with

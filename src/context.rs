@@ -1,6 +1,8 @@
 //! [`MessageContext`]: what a handler knows of the message it handles,
 //! through its unit of work.
 
+use std::sync::Arc;
+
 use lapin::types::FieldTable;
 use uuid::Uuid;
 
@@ -18,7 +20,7 @@ pub const CAUSATION_ID: &str = "causation_id";
 /// in a handler with [`UnitOfWork::context`](crate::UnitOfWork::context)
 /// (one message) or [`UnitOfWork::contexts`](crate::UnitOfWork::contexts)
 /// (a batch, in the order of its events).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct MessageContext {
     /// The message's id.
@@ -37,13 +39,14 @@ pub struct MessageContext {
     /// Its publisher's trace context (`traceparent`, `tracestate`), if
     /// valid. Follow-ups staged for it carry a child of it.
     pub trace: Option<TraceContext>,
-    /// Every AMQP header, as received (untrusted).
-    pub headers: FieldTable,
+    /// The envelope, shared: its headers are read from it, not copied for
+    /// every message.
+    envelope: Arc<Envelope>,
 }
 
 impl MessageContext {
     /// The context of `envelope`.
-    pub fn of(envelope: &Envelope) -> Self {
+    pub fn of(envelope: &Arc<Envelope>) -> Self {
         let text = |key: &str| {
             use lapin::types::AMQPValue;
             match envelope.headers.inner().get(key)? {
@@ -61,8 +64,13 @@ impl MessageContext {
             causation_id: text(CAUSATION_ID),
             attempt: envelope.attempt,
             trace: envelope.trace.clone(),
-            headers: envelope.headers.clone(),
+            envelope: Arc::clone(envelope),
         }
+    }
+
+    /// Every AMQP header, as received (untrusted).
+    pub fn headers(&self) -> &FieldTable {
+        &self.envelope.headers
     }
 
     /// The headers a follow-up of this message carries: its correlation id

@@ -263,8 +263,8 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let cause = self.context().cloned();
-        self.stage_outgoing(cause.as_ref(), routing_key, message).await
+        let headers = follow_up_headers(self.context());
+        self.stage_outgoing(headers, routing_key, message).await
     }
 
     /// [`publish`](Self::publish), as a follow-up of `cause` (one of
@@ -275,12 +275,14 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        self.stage_outgoing(Some(cause), routing_key, message).await
+        self.stage_outgoing(follow_up_headers(Some(cause)), routing_key, message)
+            .await
     }
 
+    /// Stages `message` with `headers` (those of a follow-up, if it is one).
     async fn stage_outgoing<E: IntegrationEvent>(
         &mut self,
-        cause: Option<&MessageContext>,
+        headers: Vec<(String, String)>,
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
@@ -303,7 +305,7 @@ impl UnitOfWork {
             exchange: outbox.exchange.to_string(),
             routing_key: routing_key.to_owned(),
             message_type: E::TYPE.to_owned(),
-            headers: follow_up_headers(cause),
+            headers,
             body: message.to_json()?,
         };
         if outbox.after_commit.is_some() {

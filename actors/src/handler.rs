@@ -205,7 +205,7 @@ async fn run_handlers<E: IntegrationEvent>(
             }
         }
     }
-    uow.set_contexts(envelopes.iter().map(|e| MessageContext::of(e)).collect());
+    uow.set_contexts(envelopes.iter().map(MessageContext::of).collect());
     for handler in handlers.iter() {
         let name = handler.name();
         let handled = match events.as_slice() {

@@ -124,8 +124,8 @@ impl ForwardCheckins {
 
 impl EventHandler<AttendeeCheckedIn> for ForwardCheckins {
     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let source = uow.context().cloned().ok_or("no message context")?;
-        uow.publish(&self.queue, &Self::recorded(event, &source)).await?;
+        let recorded = Self::recorded(event, uow.context().ok_or("no message context")?);
+        uow.publish(&self.queue, &recorded).await?;
         Ok(())
     }
 

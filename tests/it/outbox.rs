@@ -608,3 +608,34 @@ async fn a_runtimes_own_commits_wake_its_dispatcher_in_process_without_notifying
         "a commit from another session did not notify"
     );
 }
+
+#[actix_rt::test]
+async fn a_row_with_a_negative_attempt_count_is_tried_and_parked_like_any_other() {
+    let mut env = TestEnv::new("outbox_negative_attempts").await;
+    let nowhere = env.another_queue("nowhere");
+    let mut settings = env.settings();
+    settings.outbox.max_attempts = 1;
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    // Written by another process, or by hand: the count is not ours.
+    let body = serde_json::to_vec(&Counted { key: 1 }).unwrap();
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body, attempts)
+             VALUES (gen_random_uuid(), '', $1, 'Counted', $2, -1)",
+            &[&nowhere, &body],
+        )
+        .await
+        .unwrap();
+    wait_until("the unroutable row is parked after its one attempt", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL AND attempts = 1")
+            .await
+            == 1
+    })
+    .await;
+    runtime.shutdown().await;
+}

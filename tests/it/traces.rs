@@ -77,7 +77,7 @@ async fn a_handler_sees_the_context_and_a_follow_up_continues_the_trace() {
     assert_eq!(context.message_id, message.id);
     assert_eq!(context.event_type, "Counted");
     assert_eq!(context.trace.as_ref().map(|t| t.traceparent()), Some(INCOMING));
-    assert!(context.headers.inner().contains_key("tenant"), "{context:?}");
+    assert!(context.headers().inner().contains_key("tenant"), "{context:?}");
 
     let follow_up = env.take(&forward).await.unwrap();
     let carried = TraceContext::from_headers(follow_up.properties.headers().as_ref().unwrap())
