@@ -72,18 +72,33 @@ pub trait Sink: Send + Sync + 'static {
     fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>>;
 }
 
+/// The most header bytes (keys and values) a dispatched row may carry.
+/// Its headers travel in one AMQP frame, and a frame past the broker's
+/// `frame_max` (128 KiB by default) closes the whole connection, failing
+/// every other publish in flight on it, round after round: half of it, for
+/// the other properties and a broker configured lower.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
 impl Sink for AmqpPublisher {
     fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>> {
-        // A row can come from any process: AMQP names hold 255 bytes, and
-        // a longer one would panic in the client, round after round.
+        // A row can come from any process. AMQP names hold 255 bytes, and
+        // a longer one would panic in the client, round after round; and
+        // headers past a frame would take the connection down.
         let too_long = [&outgoing.exchange, &outgoing.routing_key, &outgoing.message_type]
             .into_iter()
             .find(|name| name.len() > 255);
-        if let Some(name) = too_long {
-            let reason = format!(
+        let header_bytes: usize = outgoing.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let refused = match too_long {
+            Some(name) => Some(format!(
                 "`{}…` is longer than the 255 bytes AMQP allows",
                 crate::fault::truncate(name, 64)
-            );
+            )),
+            None if header_bytes > MAX_HEADER_BYTES => Some(format!(
+                "its headers are {header_bytes} bytes; at most {MAX_HEADER_BYTES} go out"
+            )),
+            None => None,
+        };
+        if let Some(reason) = refused {
             return Box::pin(std::future::ready(Err(crate::Error::NotConfirmed {
                 message_id: outgoing.message_id.to_string(),
                 routing_key: crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),

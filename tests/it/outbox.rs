@@ -639,3 +639,42 @@ async fn a_row_with_a_negative_attempt_count_is_tried_and_parked_like_any_other(
     .await;
     runtime.shutdown().await;
 }
+
+#[actix_rt::test]
+async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_flows() {
+    let (env, forward) = with_forward_queue("outbox_big_headers").await;
+    let mut settings = env.settings();
+    settings.outbox.max_attempts = 1;
+    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    // Claimed first, in the same round as the others.
+    let body = serde_json::to_vec(&Counted { key: 0 }).unwrap();
+    let huge = serde_json::json!({ "note": "x".repeat(200 * 1024) }).to_string();
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
+             VALUES (gen_random_uuid(), '', $1, 'Counted', $2::text::jsonb, $3)",
+            &[&forward, &huge, &body],
+        )
+        .await
+        .unwrap();
+    for key in 1..=3 {
+        stage_from_another_session(&env, &forward, key).await;
+    }
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    wait_until("the three others arrive", || async {
+        env.ready(&forward).await == 3
+    })
+    .await;
+    wait_until("the oversized row is parked", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL AND last_error LIKE '%headers are%'")
+            .await
+            == 1
+    })
+    .await;
+    runtime.shutdown().await;
+}
