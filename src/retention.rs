@@ -46,8 +46,9 @@ pub struct SweepReport {
     pub duration: Duration,
     /// The slowest single batch: how long a delete held its locks.
     pub longest_batch: Duration,
-    /// Rows of `inbox_messages` left after the sweep, and the age of the
-    /// oldest of them: sampled by the one instance that swept.
+    /// Rows of `inbox_messages` left after the sweep (the table statistics'
+    /// estimate once it has been analyzed), sampled by the one instance
+    /// that swept.
     pub inbox_rows: u64,
     /// See `inbox_rows`; `None` when the table is empty.
     pub oldest_inbox_row: Option<Duration>,
@@ -98,12 +99,19 @@ pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepRe
             }
         }
     }
-    // Sampled by the one sweeper, under its lock: one count per sweep,
-    // whatever the number of instances.
+    // Sampled by the one sweeper, under its lock: once per sweep, whatever
+    // the number of instances. The count is the table's statistics'
+    // estimate (kept by autovacuum), exact only while the table was never
+    // analyzed: counting days of messages, billions of rows, would scan
+    // them all at every sweep. The oldest row comes from the index on
+    // processed_at.
     let row = lock
         .connection()
         .query_one(
-            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(processed_at))::float8 FROM inbox_messages",
+            "SELECT CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
+                         ELSE (SELECT count(*) FROM inbox_messages) END,
+                    (SELECT EXTRACT(EPOCH FROM now() - min(processed_at))::float8 FROM inbox_messages)
+             FROM pg_class c WHERE c.oid = 'inbox_messages'::regclass",
             &[],
         )
         .await?;

@@ -90,10 +90,11 @@ impl DatabaseGate {
     /// busy with messages, the database is evidently answering, and the
     /// probe would only queue behind them. Sets `inbox_database_available`.
     pub(crate) async fn is_available(&self) -> bool {
+        let status = self.pool.status();
+        let all_busy = status.available == 0 && status.size == status.max_size;
         let available = if self.down.load(Ordering::SeqCst) {
             false
-        } else if self.pool.status().available == 0 && self.pool.status().size == self.pool.status().max_size
-        {
+        } else if all_busy {
             true
         } else {
             tokio::time::timeout(READY_PROBE_TIMEOUT, self.probe())

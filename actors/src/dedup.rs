@@ -144,11 +144,14 @@ impl Supervised for DedupActor {
 impl DedupActor {
     fn work(&mut self, consumer: &Arc<str>) -> Work {
         // A consumer of no configured queue (in process): by its id.
-        let claim_wait = self
-            .claim_waits
-            .entry(Arc::clone(consumer))
-            .or_insert_with(|| crate::metrics::claim_wait(consumer))
-            .clone();
+        let claim_wait = match self.claim_waits.get(consumer) {
+            Some(histogram) => histogram.clone(),
+            None => self
+                .claim_waits
+                .entry(Arc::clone(consumer))
+                .or_insert_with(|| crate::metrics::claim_wait(consumer))
+                .clone(),
+        };
         Work {
             claim_wait,
             pool: self.pool.clone(),

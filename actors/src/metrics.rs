@@ -43,7 +43,8 @@ pub const OUTBOX_OLDEST_PENDING: &str = "inbox_outbox_oldest_pending_seconds";
 pub const OUTBOX_DISPATCHED_TOTAL: &str = "inbox_outbox_dispatched_total";
 /// Outbox rows parked as dead.
 pub const OUTBOX_DEAD: &str = "inbox_outbox_dead";
-/// Rows of `inbox_messages`, sampled by the sweeper at each sweep.
+/// Rows of `inbox_messages`, sampled by the sweeper at each sweep (the
+/// table statistics' estimate once analyzed).
 pub const INBOX_ROWS: &str = "inbox_rows";
 /// The age of the oldest of them, sampled likewise.
 pub const OLDEST_ROW: &str = "inbox_oldest_row_seconds";
@@ -100,7 +101,7 @@ pub(crate) fn describe() {
     );
     describe_gauge!(
         INBOX_ROWS,
-        "Rows of inbox_messages, sampled by the single sweeper at each sweep."
+        "Rows of inbox_messages, sampled by the single sweeper at each sweep (PostgreSQL's estimate once the table has been analyzed)."
     );
     describe_gauge!(
         OLDEST_ROW,

@@ -174,3 +174,33 @@ async fn a_backlog_of_200000_due_rows_goes_in_bounded_batches() {
         report.rows, report.batches, report.duration, report.longest_batch
     );
 }
+
+#[actix_rt::test]
+async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
+    let env = TestEnv::new("retention_sample").await;
+    let settings = env.settings();
+    let pool = inbox::create_pool(&settings).unwrap();
+    inbox::run_migrations(&mut pool.get().await.unwrap())
+        .await
+        .unwrap();
+    backdated_rows(&env, "expired", 40, 8).await;
+    backdated_rows(&env, "recent", 25, 2).await;
+    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    assert_eq!(report.rows, 40);
+    // Never analyzed: counted exactly.
+    assert_eq!(report.inbox_rows, 25);
+    let oldest = report.oldest_inbox_row.expect("rows are left");
+    assert!(
+        oldest > Duration::from_secs(86_400) && oldest < Duration::from_secs(3 * 86_400),
+        "{oldest:?}"
+    );
+    // Once analyzed, PostgreSQL's estimate, no scan.
+    env.db()
+        .await
+        .batch_execute("ANALYZE inbox_messages")
+        .await
+        .unwrap();
+    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    assert_eq!(report.inbox_rows, 25);
+    pool.close();
+}
