@@ -34,6 +34,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_notify_unless_local",
         include_str!("migrations/0005_outbox_notify_unless_local.sql"),
     ),
+    (
+        6,
+        "outbox_dead_rows",
+        include_str!("migrations/0006_outbox_dead_rows.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -372,18 +372,23 @@ pub struct Backlog {
     pub dead: u64,
 }
 
-/// Counts the [`Backlog`]. It scans the table, so the dispatcher samples it
-/// now and then rather than after every round.
+/// The most rows [`backlog`] counts of each kind: a sample taken every poll
+/// interval must not scan a backlog of millions (a broker away for hours).
+pub const BACKLOG_COUNT_LIMIT: i64 = 100_000;
+
+/// Samples the [`Backlog`] through the pending and dead rows' indexes,
+/// counting each kind up to [`BACKLOG_COUNT_LIMIT`] (a larger backlog
+/// shows as that many); the oldest pending row is the first by `seq`.
 pub async fn backlog(pool: &Pool) -> Result<Backlog> {
     let row = pool
         .get()
         .await?
         .query_one(
-            "SELECT count(*) FILTER (WHERE dead_at IS NULL),
-                    EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8,
-                    count(*) FILTER (WHERE dead_at IS NOT NULL)
-             FROM outbox_messages",
-            &[],
+            "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox_messages WHERE dead_at IS NULL LIMIT $1) AS p),
+                    (SELECT EXTRACT(EPOCH FROM now() - created_at)::float8 FROM outbox_messages
+                     WHERE dead_at IS NULL ORDER BY seq LIMIT 1),
+                    (SELECT count(*) FROM (SELECT 1 FROM outbox_messages WHERE dead_at IS NOT NULL LIMIT $1) AS d)",
+            &[&BACKLOG_COUNT_LIMIT],
         )
         .await?;
     let count = |column: usize| u64::try_from(row.get::<_, i64>(column)).unwrap_or(0);

@@ -678,3 +678,31 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
     .await;
     runtime.shutdown().await;
 }
+
+#[actix_rt::test]
+async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
+    let env = TestEnv::new("outbox_backlog_sample").await;
+    let pool = inbox::create_pool(&env.settings()).unwrap();
+    inbox::run_migrations(&mut pool.get().await.unwrap())
+        .await
+        .unwrap();
+    env.db()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body, created_at, dead_at)
+             SELECT gen_random_uuid(), '', 'q', 'Counted', '\\x7b7d',
+                    now() - interval '5 minutes' + g * interval '1 second',
+                    CASE WHEN g > 3 THEN now() END
+             FROM generate_series(1, 5) AS g",
+        )
+        .await
+        .unwrap();
+    let backlog = inbox::outbox::backlog(&pool).await.unwrap();
+    assert_eq!((backlog.pending, backlog.dead), (3, 2));
+    let oldest = backlog.oldest_pending.expect("rows are pending");
+    assert!(
+        oldest > std::time::Duration::from_secs(290) && oldest < std::time::Duration::from_secs(300),
+        "{oldest:?}"
+    );
+    pool.close();
+}
