@@ -89,8 +89,8 @@ impl Actor for OutboxActor {
                 },
             ));
         }
-        // The backlog, for the stats, every poll interval: counting it
-        // scans the pending rows, too much for every round.
+        // The backlog, for the stats and metrics, sampled every poll
+        // interval rather than after every round.
         {
             let (pool, stats, every) = (pool.clone(), Arc::clone(&stats), settings.poll_interval);
             let mut stopped = self.stop.subscribe();
