@@ -142,6 +142,8 @@ struct Measured {
     p50: Duration,
     p99: Duration,
     effects_ok: bool,
+    /// CPU per message by process over the scenario, where it was read.
+    cpu: Option<CpuSplit>,
 }
 
 /// The events, in publishing order, duplicates included.
@@ -253,6 +255,7 @@ async fn run() -> Result<()> {
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
             let steal_before = cpu_steal();
+            let cpu_before = CpuSplit::sample();
             let measured = match scenario {
                 Scenario::Raw => raw(&connection, &queue, count).await?,
                 Scenario::Handwritten => handwritten(&connection, &pool, &queue, count, None).await?,
@@ -282,8 +285,13 @@ async fn run() -> Result<()> {
                     forwarding(&connection, for_runtime, count, workload.unique).await?
                 }
             };
+            let cpu = match (cpu_before, CpuSplit::sample()) {
+                (Some(before), Some(after)) => Some(after.since(&before, count)),
+                _ => None,
+            };
             let measured = Measured {
                 effects_ok: scenario == Scenario::Raw || effects_ok(&pool, workload.unique).await?,
+                cpu,
                 ..measured
             };
             for name in topology(&queue.name, settings.failure.delays.len()) {
@@ -331,9 +339,74 @@ fn cpu_steal() -> Option<f64> {
     Some(ticks / 100.0)
 }
 
+/// CPU time (user and system) of the three processes at work: this one
+/// (the service and the publisher), PostgreSQL and RabbitMQ. Read from
+/// /proc in USER_HZ ticks (100 a second). PostgreSQL's backends come and
+/// go with connections: the postmaster's reaped children count with it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CpuSplit {
+    service: f64,
+    postgres: f64,
+    rabbitmq: f64,
+}
+
+impl CpuSplit {
+    /// Seconds of CPU so far; `None` where /proc cannot be read (not Linux).
+    fn sample() -> Option<Self> {
+        let service = process_cpu(&std::fs::read_to_string("/proc/self/stat").ok()?, false)?;
+        let (mut postgres, mut rabbitmq) = (0.0, 0.0);
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            match stat.split_once(" (").and_then(|(_, rest)| rest.split_once(')')) {
+                Some(("postgres", _)) => postgres += process_cpu(&stat, true).unwrap_or(0.0),
+                Some(("beam.smp", _)) => rabbitmq += process_cpu(&stat, false).unwrap_or(0.0),
+                _ => {}
+            }
+        }
+        Some(Self {
+            service,
+            postgres,
+            rabbitmq,
+        })
+    }
+
+    /// Microseconds per message between `before` and `self`.
+    fn since(&self, before: &Self, messages: usize) -> Self {
+        let per = |after: f64, before: f64| (after - before) * 1e6 / messages.max(1) as f64;
+        Self {
+            service: per(self.service, before.service),
+            postgres: per(self.postgres, before.postgres),
+            rabbitmq: per(self.rabbitmq, before.rabbitmq),
+        }
+    }
+}
+
+/// utime + stime of one /proc/PID/stat line, and with `children` the
+/// reaped children's too, in seconds.
+fn process_cpu(stat: &str, children: bool) -> Option<f64> {
+    // Fields after the command name (which may hold spaces): state is the
+    // first, utime the 12th, stime, cutime and cstime follow.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    let mut total = ticks(11)? + ticks(12)?;
+    if children {
+        total += ticks(13)? + ticks(14)?;
+    }
+    Some(total / 100.0)
+}
+
 fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String {
+    let cpu = match m.cpu {
+        Some(cpu) => format!(
+            " cpu_us_per_msg_service={:.0} cpu_us_per_msg_postgres={:.0} cpu_us_per_msg_rabbitmq={:.0}",
+            cpu.service, cpu.postgres, cpu.rabbitmq
+        ),
+        None => String::new(),
+    };
     format!(
-        "scenario={} messages={count} unique={unique} seconds={:.3} msgs_per_s={:.0} p50_ms={:.2} p99_ms={:.2} effects_ok={}",
+        "scenario={} messages={count} unique={unique} seconds={:.3} msgs_per_s={:.0} p50_ms={:.2} p99_ms={:.2} effects_ok={}{cpu}",
         scenario.name(),
         m.seconds,
         count as f64 / m.seconds,
@@ -454,6 +527,7 @@ async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Re
         p50,
         p99,
         effects_ok: true,
+        cpu: None,
     })
 }
 
@@ -509,6 +583,7 @@ async fn handwritten(
         p50,
         p99,
         effects_ok: true,
+        cpu: None,
     })
 }
 
@@ -646,6 +721,7 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances
         p50: worst(0.5),
         p99: worst(0.99),
         effects_ok: true,
+        cpu: None,
     })
 }
 
@@ -689,6 +765,7 @@ async fn forwarding(
         p50: stats.latency_quantile(0.5).unwrap_or_default(),
         p99: stats.latency_quantile(0.99).unwrap_or_default(),
         effects_ok: true,
+        cpu: None,
     })
 }
 
