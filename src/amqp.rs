@@ -8,6 +8,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{
@@ -31,53 +32,91 @@ const PERSISTENT: u8 = 2;
 
 pub use crate::names::{error_queue, retry_queue, skipped_queue};
 
-/// Connects to `message_bus.amqp_url` with lapin's automatic recovery on
-/// (connection, channels, topology, consumers and QoS are replayed after a
-/// network fault). `name` shows in the broker's connection list.
+/// Which of `message_bus.amqp_urls` the next connection tries first: one
+/// counter for the process, so that its connections spread over the nodes
+/// of a cluster, and a reconnect starts at another node than the last.
+static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
+
+/// Connects to the broker (`message_bus.amqp_url`, or the nodes of
+/// `message_bus.amqp_urls` in turn). `name` shows in the broker's
+/// connection list.
 ///
-/// Tries again with a growing pause for up to `message_bus.connect_timeout`
-/// (each attempt bounded by what is left of it): a broker that is down or
-/// unreachable at start is a WARN per attempt naming it, then an
-/// [`Error::Unreachable`], never a silent hang. The connection logs the
-/// broker's `connection.blocked` (a memory or disk alarm: publishing stops)
-/// and `connection.unblocked`.
+/// Tries again for up to `message_bus.connect_timeout`: a broker that is
+/// down or unreachable at start is a WARN per attempt naming its host and
+/// port (never the password), then an [`Error::Unreachable`], never a
+/// silent hang. With several nodes, a failed attempt moves on to the next
+/// node at once, each attempt bounded by its share of the timeout (a node
+/// whose packets vanish must not take all of it), and a pause that grows
+/// follows each round of them all. The connection logs the broker's
+/// `connection.blocked` (a memory or disk alarm: publishing stops) and
+/// `connection.unblocked`.
+///
+/// With one broker, lapin's automatic recovery is on (connection, channels,
+/// topology, consumers and QoS are replayed after a network fault, to the
+/// same broker). With several it is off: a node that went stays gone for a
+/// while, and the runtime's own reconnect (a consumer whose connection
+/// ended, the publisher's) comes here and goes to the next node.
 pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
-    let endpoint = settings.broker_endpoint();
+    let urls = settings.amqp_urls();
     let timeout = settings.message_bus.connect_timeout;
+    let per_node = match urls.len() {
+        1 => timeout,
+        n => (timeout / n as u32).max(MIN_NODE_ATTEMPT),
+    };
     let started = std::time::Instant::now();
     let mut backoff = crate::Backoff::new(FIRST_CONNECT_PAUSE, MAX_CONNECT_PAUSE);
+    let mut next = NEXT_BROKER.fetch_add(1, Ordering::Relaxed);
+    let mut tried_in_round = 0;
     loop {
+        let url = urls[next % urls.len()];
+        next = next.wrapping_add(1);
+        tried_in_round += 1;
+        let endpoint = crate::settings::broker_endpoint(url);
         let left = timeout.saturating_sub(started.elapsed());
-        let properties = ConnectionProperties::default()
-            .enable_auto_recover()
-            .with_connection_name(LongString::from(name));
+        let mut properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
+        if urls.len() == 1 {
+            properties = properties.enable_auto_recover();
+        }
         // With recovery on, lapin retries a refused TCP connection by itself,
         // 16 times over minutes and without a word: reach the port first, so
         // that each failure is seen and logged here.
-        let attempt = async {
-            reach(&settings.message_bus.amqp_url).await?;
-            Connection::connect(&settings.message_bus.amqp_url, properties)
+        let connecting = async {
+            reach(url).await?;
+            Connection::connect(url, properties)
                 .await
                 .map_err(|e| crate::describe(&e))
         };
-        let cause = match tokio::time::timeout(left, attempt).await {
+        let limit = left.min(per_node);
+        let cause = match tokio::time::timeout(limit, connecting).await {
             Ok(Ok(connection)) => {
+                if urls.len() > 1 {
+                    tracing::info!(broker = %endpoint, connection = name, "connected");
+                }
                 log_alarms(&connection, name, &endpoint);
                 return Ok(Arc::new(connection));
             }
             Ok(Err(cause)) => cause,
-            Err(_) => format!("no answer within {}", humantime::format_duration(left)),
+            Err(_) => format!("no answer within {}", humantime::format_duration(limit)),
         };
         let remaining = timeout.saturating_sub(started.elapsed());
         if remaining.is_zero() {
             return Err(Error::Unreachable {
                 service: "broker",
-                endpoint,
+                endpoint: if urls.len() == 1 {
+                    endpoint
+                } else {
+                    settings.broker_endpoint()
+                },
                 waited: timeout,
                 key: "message_bus.connect_timeout",
                 cause,
             });
         }
+        if tried_in_round < urls.len() {
+            tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying the next node");
+            continue;
+        }
+        tried_in_round = 0;
         let pause = backoff.next_pause().min(remaining);
         tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying again in {pause:?}");
         tokio::time::sleep(pause).await;
@@ -93,6 +132,9 @@ async fn reach(url: &str) -> std::result::Result<(), String> {
         .map(drop)
         .map_err(|e| e.to_string())
 }
+
+/// The least time one attempt on one node of several may take.
+const MIN_NODE_ATTEMPT: Duration = Duration::from_secs(2);
 
 /// The first pause between connection attempts; doubled up to
 /// [`MAX_CONNECT_PAUSE`].

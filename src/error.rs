@@ -183,12 +183,20 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-/// Whether `error` (or one of its sources) says the database could not be
-/// reached, rather than that it refused a statement: a closed or broken
-/// connection, a failed connect, a server shutting down (SQLSTATE class 08,
-/// 57P01-57P03). Such a failure says nothing about the message, so the
-/// runtime waits for the database instead of spending the message's
-/// attempts.
+/// Whether `error` (or one of its sources) says the database cannot take
+/// the runtime's writes now, rather than that it refused a statement: a
+/// closed or broken connection, a failed connect, a server shutting down or
+/// starting up (SQLSTATE class 08, 57P01-57P03), a server that is read-only
+/// (25006: a standby, or a primary being failed over) and one that has no
+/// connection left (53300). Such a failure says nothing about the message,
+/// so the runtime waits for a writable database instead of spending the
+/// message's attempts.
+///
+/// A full disk (53100) and a server out of memory (53200) are not counted:
+/// one message can cause either (a sort or a temporary file too large, a
+/// huge value), so holding it would retry it forever, and no probe can see
+/// either end. They fail the attempt like any error, and the retry tiers
+/// give the server time to recover without losing the message.
 ///
 /// Apply it only to errors of the runtime's own pool and connection: an
 /// I/O error counts, which is right for those and wrong for a handler's
@@ -196,6 +204,9 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// runtime judges a failed handler by whether the unit of work's own
 /// connection is still open instead.
 pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    /// Outside class 08: shutting down (57P01 admin, 57P02 crash), starting
+    /// up (57P03), read-only (25006), no connection slot left (53300).
+    const UNAVAILABLE: [&str; 5] = ["57P01", "57P02", "57P03", "25006", "53300"];
     use deadpool_postgres::PoolError;
     let mut current = Some(error);
     while let Some(e) = current {
@@ -205,7 +216,7 @@ pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
             }
             if let Some(state) = pg.code() {
                 let code = state.code();
-                return code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code);
+                return code.starts_with("08") || UNAVAILABLE.contains(&code);
             }
         }
         if let Some(pool) = e.downcast_ref::<PoolError>() {

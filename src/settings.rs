@@ -48,7 +48,8 @@ pub enum Provider {
     InProcess,
 }
 
-/// `[message_bus]`. Its `Debug` hides the password in `amqp_url`.
+/// `[message_bus]`. Its `Debug` hides the passwords in `amqp_url` and
+/// `amqp_urls`.
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MessageBusSettings {
@@ -56,6 +57,12 @@ pub struct MessageBusSettings {
     pub provider: Provider,
     /// `amqp_url`: the broker. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
     pub amqp_url: String,
+    /// `amqp_urls`: the nodes of a RabbitMQ cluster, one URL each. When set,
+    /// it replaces `amqp_url`: every connection (consumers, the publisher,
+    /// the outbox dispatcher) goes to the next node in turn, and a failed
+    /// attempt moves on to the next. Default empty: `amqp_url` alone. See
+    /// [`Settings::amqp_urls`].
+    pub amqp_urls: Vec<String>,
     /// `exchange`: where [publishing](crate::AmqpPublisher) sends events.
     /// Default `""`, the default exchange, where the routing key is the queue name.
     pub exchange: String,
@@ -90,6 +97,7 @@ impl Default for MessageBusSettings {
         Self {
             provider: Provider::Rabbitmq,
             amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            amqp_urls: Vec::new(),
             exchange: String::new(),
             enable_inbox: None,
             enable_outbox: None,
@@ -104,6 +112,10 @@ impl std::fmt::Debug for MessageBusSettings {
         f.debug_struct("MessageBusSettings")
             .field("provider", &self.provider)
             .field("amqp_url", &redact(&self.amqp_url))
+            .field(
+                "amqp_urls",
+                &self.amqp_urls.iter().map(|url| redact(url)).collect::<Vec<_>>(),
+            )
             .field("exchange", &self.exchange)
             .field("enable_inbox", &self.enable_inbox)
             .field("enable_outbox", &self.enable_outbox)
@@ -548,6 +560,7 @@ impl Settings {
                     .try_parsing(true)
                     .list_separator(",")
                     .with_list_parse_key("failure.delays")
+                    .with_list_parse_key("message_bus.amqp_urls")
                     .source(vars),
             )
             .build()?
@@ -584,14 +597,20 @@ impl Settings {
             .unwrap_or(self.message_bus.provider != Provider::InProcess)
     }
 
-    /// Where the broker is, for logs and errors: `host:port`, then
-    /// `/vhost` unless it is the default `/`; never the password.
-    pub fn broker_endpoint(&self) -> String {
-        match self.message_bus.amqp_url.parse::<lapin::uri::AMQPUri>() {
-            Ok(uri) if uri.vhost == "/" => format!("{}:{}", uri.authority.host, uri.authority.port),
-            Ok(uri) => format!("{}:{}/{}", uri.authority.host, uri.authority.port, uri.vhost),
-            Err(_) => redact(&self.message_bus.amqp_url),
+    /// The brokers to connect to, in order: `message_bus.amqp_urls` when
+    /// set, else `message_bus.amqp_url` alone.
+    pub fn amqp_urls(&self) -> Vec<&str> {
+        match self.message_bus.amqp_urls.as_slice() {
+            [] => vec![self.message_bus.amqp_url.as_str()],
+            urls => urls.iter().map(String::as_str).collect(),
         }
+    }
+
+    /// Where the brokers are, for logs and errors: each one's
+    /// [`broker_endpoint`], comma-separated; never a password.
+    pub fn broker_endpoint(&self) -> String {
+        let endpoints: Vec<String> = self.amqp_urls().into_iter().map(broker_endpoint).collect();
+        endpoints.join(",")
     }
 
     /// Where the database is, for logs and errors: `host:port/dbname` (every
@@ -695,12 +714,30 @@ impl Settings {
     }
 }
 
+/// Where the broker `url` names is, for logs and errors: `host:port`, then
+/// `/vhost` unless it is the default `/`; never the password.
+pub(crate) fn broker_endpoint(url: &str) -> String {
+    match url.parse::<lapin::uri::AMQPUri>() {
+        Ok(uri) if uri.vhost == "/" => format!("{}:{}", uri.authority.host, uri.authority.port),
+        Ok(uri) => format!("{}:{}/{}", uri.authority.host, uri.authority.port, uri.vhost),
+        Err(_) => redact(url),
+    }
+}
+
 impl MessageBusSettings {
     fn validate(&self) -> Result<()> {
         if self.provider == Provider::Rabbitmq {
             self.amqp_url
                 .parse::<lapin::uri::AMQPUri>()
                 .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
+            for (i, url) in self.amqp_urls.iter().enumerate() {
+                url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
+                    Error::setting(
+                        &format!("message_bus.amqp_urls[{i}]"),
+                        format!("not an AMQP URL: {e}"),
+                    )
+                })?;
+            }
         }
         if self.exchange.len() > 255 {
             return Err(Error::setting(
@@ -1177,6 +1214,20 @@ mod tests {
         );
         assert_eq!(settings.broker_endpoint(), "broker.internal:5673/prod");
         assert_eq!(settings.database_endpoint(), "db.internal:5433/orders");
+        // A cluster: every node, none with its password.
+        settings.message_bus.amqp_urls = vec![
+            "amqp://app:s3cret-1@rabbit-1:5672/prod".into(),
+            "amqp://app:s3cret-2@rabbit-2:5672/prod".into(),
+        ];
+        settings.database.url =
+            "postgres://app:s3cret-db@db1:5432,db2:5433/orders?target_session_attrs=read-write".into();
+        let shown = format!("{settings:?} {}", settings.broker_endpoint());
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert_eq!(
+            settings.broker_endpoint(),
+            "rabbit-1:5672/prod,rabbit-2:5672/prod"
+        );
+        assert_eq!(settings.database_endpoint(), "db1:5432,db2:5433/orders");
         assert_eq!(
             redact("host=db user=app password=s3cret dbname=orders"),
             "host=db user=app password=*** dbname=orders"

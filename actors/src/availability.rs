@@ -6,17 +6,36 @@
 //! consumption pauses) and wait here until the database answers again. One
 //! waiter at a time probes it, with a growing pause; the outage is logged
 //! once when it starts and once when it ends, not once per message.
+//!
+//! Available means writable: a primary that turned read-only (a failover
+//! under way, a standby promoted elsewhere) answers queries but takes no
+//! claim, so the probe asks whether the server is in recovery or read-only.
+//! If it is, the pool's idle connections to it are closed: new ones follow
+//! `database.url`'s host list (`target_session_attrs=read-write` picks the
+//! writable server).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox::deadpool_postgres::{Object, Pool};
+use inbox::tokio_postgres::SimpleQueryMessage;
 use inbox::{Backoff, Settings};
 use tokio::sync::Mutex;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// `t` when the server takes writes: a primary, not read-only.
+const WRITABLE: &str = "SELECT NOT pg_catalog.pg_is_in_recovery() AND pg_catalog.current_setting('transaction_read_only') = 'off'";
+
+/// Whether a simple query's one row has `value` in its first column.
+fn answer_is(answer: &[SimpleQueryMessage], value: &str) -> bool {
+    answer.iter().any(|message| match message {
+        SimpleQueryMessage::Row(row) => row.get(0) == Some(value),
+        _ => false,
+    })
+}
 
 /// The longest a readiness probe waits for the database: health endpoints
 /// are asked with a timeout of a second or so.
@@ -105,13 +124,26 @@ impl DatabaseGate {
         available
     }
 
+    /// Whether a pooled connection's server answers and takes writes.
     async fn probe(&self) -> bool {
         let limit = self.probe_timeout;
         let Ok(Ok(connection)) = tokio::time::timeout(limit, self.pool.get()).await else {
             return false;
         };
-        match tokio::time::timeout(limit, connection.simple_query("SELECT 1")).await {
-            Ok(answer) => answer.is_ok(),
+        match tokio::time::timeout(limit, connection.simple_query(WRITABLE)).await {
+            Ok(Ok(answer)) if answer_is(&answer, "t") => true,
+            Ok(Ok(_)) => {
+                // Read-only: neither this connection nor the idle others
+                // (most likely to the same server) are of use.
+                drop(Object::take(connection));
+                let closed = self.pool.retain(|_, _| false).removed.len();
+                tracing::debug!(
+                    closed,
+                    "the database is read-only; closed the idle connections to it"
+                );
+                false
+            }
+            Ok(Err(_)) => false,
             Err(_) => {
                 // No answer: a connection stuck like this one is no use to
                 // the next message.

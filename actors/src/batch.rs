@@ -14,7 +14,7 @@ use std::sync::Arc;
 use inbox::{Abandoned, Claim, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 
-use crate::dedup::{DeliverBatch, Route, Work, key, roll_back};
+use crate::dedup::{DeliverBatch, Route, Work, give_up, key};
 use crate::handler::{Handle, HandleBatch, Handled};
 use crate::stats::Counter;
 
@@ -113,8 +113,7 @@ impl Work {
         let claims = match claims {
             Ok(claims) => claims,
             Err(e) => {
-                let _ = roll_back(uow).await;
-                return Err(Abandoned::database(Stage::InboxClaim, &e));
+                return Err(give_up(uow, Stage::InboxClaim, &e).await);
             }
         };
         // Held while the handlers run, released before the commit. The

@@ -276,16 +276,12 @@ impl Work {
                 let _ = roll_back(uow).await;
                 return Outcome::Duplicate;
             }
-            Err(e) => {
-                let _ = roll_back(uow).await;
-                return Outcome::Abandoned(Abandoned::database(Stage::InboxClaim, &e));
-            }
+            Err(e) => return Outcome::Abandoned(give_up(uow, Stage::InboxClaim, &e).await),
         }
         match route.one.send(Handle { envelope, uow }).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
-                    let _ = roll_back(uow).await;
-                    return Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e));
+                    return Outcome::Abandoned(give_up(uow, Stage::InboxRecord, &e).await);
                 }
                 // Ack only after this: a failed COMMIT leaves the message
                 // for redelivery.
@@ -345,6 +341,20 @@ impl From<HandlerFailure> for Outcome {
             )),
         }
     }
+}
+
+/// Ends `uow` after its own statement failed with `error`: rolled back, or,
+/// when the error says the database cannot take writes now (a read-only
+/// server, one shutting down), discarded with its connection, which must
+/// not serve the next message.
+pub(crate) async fn give_up(uow: UnitOfWork, stage: Stage, error: &inbox::Error) -> Abandoned {
+    let abandoned = Abandoned::database(stage, error);
+    if abandoned.unavailable {
+        drop(uow);
+    } else {
+        let _ = roll_back(uow).await;
+    }
+    abandoned
 }
 
 /// Rolls back; a failure there already discarded the connection, which is

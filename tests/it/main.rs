@@ -18,6 +18,8 @@ mod unit_of_work;
 mod retention;
 // Batches: one transaction, a savepoint per message, one commit.
 mod batching;
+// Database failover: a read-only primary, a new primary; held, never retried, processed once.
+mod failover;
 // Acks: coalesced into `multiple` acks, each delivery settled once, in any order.
 mod acks;
 // Faults: a database outage pauses consumption; an ended consumer reconnects.

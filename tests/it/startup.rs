@@ -56,6 +56,53 @@ async fn a_broker_down_at_start_is_retried_then_an_error_naming_it() {
 }
 
 #[actix_rt::test]
+async fn with_several_brokers_a_node_that_is_down_is_passed_over_for_the_next() {
+    let env = TestEnv::new("broker_list").await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = env.settings();
+    let port = closed_port();
+    let live = settings.message_bus.amqp_url.clone();
+    // Three times the dead node: whichever node the rotation starts at, the
+    // runtime's connections (its consumer, publisher and outbox) meet it
+    // before the live one.
+    let dead = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
+    settings.message_bus.amqp_urls = vec![dead.clone(), dead.clone(), dead, live];
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    runtime
+        .publisher()
+        .publish(&env.queue, &inbox::Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    wait_until("the message completes", || async {
+        runtime.stats().completed == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let text = logs.text();
+    let endpoint = format!("127.0.0.1:{port}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("WARN") && l.contains(&endpoint) && l.contains("trying the next node")),
+        "the dead node is logged by host and port:\n{text}"
+    );
+    assert!(!text.contains("s3cret"), "{text}");
+    assert_eq!(env.count("counts", 1).await, 1);
+}
+
+#[test]
+fn a_broker_list_with_a_bad_url_is_an_error_naming_its_place() {
+    let mut settings = Settings::default();
+    settings.message_bus.amqp_urls = vec!["amqp://127.0.0.1:5672/%2f".into(), "http://nope".into()];
+    let error = settings.validate().unwrap_err().to_string();
+    assert!(error.contains("message_bus.amqp_urls[1]"), "{error}");
+}
+
+#[actix_rt::test]
 async fn a_database_down_at_start_is_retried_then_an_error_naming_it() {
     let env = TestEnv::new("database_down").await;
     let logs = Captured::default();
