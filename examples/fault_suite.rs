@@ -28,6 +28,14 @@
 //! It restarts the machine's PostgreSQL and RabbitMQ: run it where nothing
 //! else uses them. Honours `DATABASE_URL` (a server, whose `postgres`
 //! database it connects to) and `AMQP_URL`.
+//!
+//! With `--cluster` (run by `tests/cluster.sh run`, which starts the nodes
+//! and passes their URLs in `CLUSTER_AMQP_URLS`), the service and the suite
+//! connect to the nodes of a RabbitMQ cluster, and instead of restarting
+//! PostgreSQL and RabbitMQ the suite SIGKILLs the node that leads the
+//! service's queue, brings it back, then SIGKILLs the node the service's
+//! consumer is connected to and brings it back; the service's own SIGKILLs
+//! and the crash loop run as usual. The line ends with `node_kills=2`.
 
 mod common;
 
@@ -107,11 +115,21 @@ struct Suite {
     /// What its health endpoints said at each fault, and whether that was
     /// right.
     health: Vec<(bool, String)>,
+    /// `--cluster`: the broker is a cluster of tests/cluster.sh.
+    cluster: bool,
+    /// Cluster nodes SIGKILLed (and brought back).
+    node_kills: usize,
 }
 
 async fn run() -> Result<bool> {
     let started = Instant::now();
     let mut settings = common::settings()?.into_inner();
+    let cluster = std::env::args().any(|arg| arg == "--cluster");
+    if cluster {
+        let urls = std::env::var("CLUSTER_AMQP_URLS")
+            .map_err(|_| fail("--cluster needs CLUSTER_AMQP_URLS: run it through tests/cluster.sh run"))?;
+        settings.message_bus.amqp_urls = urls.split(',').map(str::to_owned).collect();
+    }
     let queue = format!("faults.checkin.{}", inbox::uuid::Uuid::now_v7());
     settings.queues = vec![QueueSettings::new(&queue)];
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
@@ -153,6 +171,8 @@ async fn run() -> Result<bool> {
         log_start: std::fs::metadata(service_log_path()).map_or(0, |m| m.len()),
         http: free_address()?,
         health: Vec::new(),
+        cluster,
+        node_kills: 0,
     };
     let mut child = suite.start_service()?;
     wait_for_queue(&suite.settings, &suite.queue).await?;
@@ -174,11 +194,19 @@ async fn run() -> Result<bool> {
         tokio::time::sleep(pause(&mut random)).await;
         child = suite.kill_and_restart(child)?;
         tokio::time::sleep(pause(&mut random)).await;
-        match round {
-            0 => suite.close_service_connections()?,
-            1 => suite.restart_postgres().await?,
-            2 => suite.restart_rabbitmq().await?,
-            3 => suite.raise_memory_alarm().await?,
+        match (suite.cluster, round) {
+            (false, 0) => suite.close_service_connections()?,
+            (false, 1) => suite.restart_postgres().await?,
+            (false, 2) => suite.restart_rabbitmq().await?,
+            (false, 3) => suite.raise_memory_alarm().await?,
+            (true, 0) => {
+                let leader = suite.queue_leader()?;
+                suite.kill_node(&leader, "the queue's leader").await?;
+            }
+            (true, 1) => {
+                let connected = suite.consumer_node()?;
+                suite.kill_node(&connected, "the consumer's node").await?;
+            }
             _ => {}
         }
     }
@@ -230,6 +258,10 @@ impl Suite {
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
+            .env(
+                "INBOX__MESSAGE_BUS__AMQP_URLS",
+                self.settings.message_bus.amqp_urls.join(","),
+            )
             .env("INBOX__FAILURE__DELAYS", DELAYS)
             .env("INBOX__FAILURE__IMMEDIATE_RETRIES", "1")
             .env("INBOX__RUNTIME__SHUTDOWN_TIMEOUT", "10s")
@@ -341,6 +373,51 @@ impl Suite {
             }
         }
         self.say(&format!("force-closed {closed} AMQP connection(s)"));
+        Ok(())
+    }
+
+    /// The node that leads the service's queue (`rabbit2@localhost`).
+    fn queue_leader(&self) -> Result<String> {
+        let listing = sh("rabbitmqctl -q list_queues name leader")?;
+        listing
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == self.queue)
+            .map(|(_, leader)| leader.trim().to_owned())
+            .ok_or_else(|| fail(format!("no leader listed for {}:\n{listing}", self.queue)))
+    }
+
+    /// The node the service's consumer is connected to: the node in the
+    /// pid of its connection (`<rabbit3@localhost.1.2.3>`).
+    fn consumer_node(&self) -> Result<String> {
+        let name = format!("inbox {}", self.queue);
+        let listing = sh("rabbitmqctl -q list_connections pid client_properties")?;
+        listing
+            .lines()
+            .filter(|line| line.contains(&name))
+            .find_map(|line| {
+                let pid = line.split_whitespace().next()?;
+                let node = pid.trim_start_matches('<').split('.').next()?;
+                Some(node.to_owned())
+            })
+            .ok_or_else(|| fail(format!("no connection named {name}:\n{listing}")))
+    }
+
+    /// SIGKILLs a node of tests/cluster.sh (`rabbit2@localhost` or
+    /// `rabbit3@localhost`, never the machine's own), waits a few seconds
+    /// while the others carry on, and starts it again.
+    async fn kill_node(&mut self, node: &str, which: &str) -> Result<()> {
+        let n = node
+            .strip_prefix("rabbit")
+            .and_then(|rest| rest.strip_suffix("@localhost"))
+            .filter(|n| ["2", "3"].contains(n))
+            .ok_or_else(|| fail(format!("{which} is {node}, which the suite may not kill")))?;
+        sh(&format!("bash tests/cluster.sh kill {n}"))?;
+        self.node_kills += 1;
+        self.say(&format!("SIGKILLed {node}, {which}"));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        sh(&format!("bash tests/cluster.sh start {n}"))?;
+        self.say(&format!("{node} is back"));
         Ok(())
     }
 
@@ -602,10 +679,16 @@ async fn wait_for_queue(settings: &Settings, queue: &str) -> Result<()> {
     }
 }
 
+/// A connection to the first broker (or cluster node) that takes one.
 async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
-    Ok(Arc::new(
-        Connection::connect(&settings.message_bus.amqp_url, Default::default()).await?,
-    ))
+    let mut last = None;
+    for url in settings.amqp_urls() {
+        match Connection::connect(url, Default::default()).await {
+            Ok(connection) => return Ok(Arc::new(connection)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(|| fail("no broker URL"), Error::from))
 }
 
 /// Messages ready in `queue`.
@@ -865,8 +948,13 @@ async fn check(
         waiting += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
     }
 
+    let node_kills = if suite.cluster {
+        format!(" node_kills={}", suite.node_kills)
+    } else {
+        String::new()
+    };
     println!(
-        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error} crashes={} forward_unique={} forward_lost={} forward_doubled={} forward_leaked={} forward_copies={}",
+        "kills={} db_restarts={} broker_restarts={} published={} unique={} effects={effects} lost={lost} duplicated={duplicated} error_queue={in_error} crashes={} forward_unique={} forward_lost={} forward_doubled={} forward_leaked={} forward_copies={}{node_kills}",
         suite.kills,
         suite.db_restarts,
         suite.broker_restarts,
@@ -879,7 +967,7 @@ async fn check(
         forwards.leaked,
         forwards.copies,
     );
-    let checks = [
+    let mut checks = vec![
         (lost == 0, "no effect lost"),
         (duplicated == 0, "no effect applied twice"),
         (attendance_agrees, "session_attendance agrees"),
@@ -902,16 +990,23 @@ async fn check(
             "the crash-looping message is in the error queue, set aside by the delivery limit",
         ),
         (
-            suite.kills >= KILLS && suite.db_restarts == 1 && suite.broker_restarts == 1 && suite.alarms == 1,
+            suite.kills >= KILLS
+                && if suite.cluster {
+                    suite.node_kills == 2
+                } else {
+                    suite.db_restarts == 1 && suite.broker_restarts == 1 && suite.alarms == 1
+                },
             "every fault happened",
         ),
-        (
+    ];
+    if !suite.cluster {
+        checks.push((
             suite
                 .service_logged()
                 .contains("the broker blocked the connection"),
             "the service logged the broker's alarm",
-        ),
-    ];
+        ));
+    }
     let health = suite.health.iter().map(|(ok, what)| (*ok, what.as_str()));
     let (mut failed, mut passed) = (0, 0);
     for (ok, what) in checks.into_iter().chain(health) {
