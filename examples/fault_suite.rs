@@ -243,7 +243,14 @@ impl Suite {
     }
 
     fn start_service(&self) -> Result<Child> {
-        Command::new(&self.service)
+        let mut service = Command::new(&self.service);
+        if self.cluster {
+            service.env(
+                "INBOX__MESSAGE_BUS__AMQP_URLS",
+                self.settings.message_bus.amqp_urls.join(","),
+            );
+        }
+        service
             .args([
                 "--queue",
                 &self.queue,
@@ -258,10 +265,6 @@ impl Suite {
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
-            .env(
-                "INBOX__MESSAGE_BUS__AMQP_URLS",
-                self.settings.message_bus.amqp_urls.join(","),
-            )
             .env("INBOX__FAILURE__DELAYS", DELAYS)
             .env("INBOX__FAILURE__IMMEDIATE_RETRIES", "1")
             .env("INBOX__RUNTIME__SHUTDOWN_TIMEOUT", "10s")
@@ -302,8 +305,31 @@ impl Suite {
                 None => return Err(fail(format!("unexpected memory watermark `{other}`"))),
             },
         };
+        // The broker tells a connection it is blocked when it publishes, and
+        // the service may have nothing to publish just then (the suite's
+        // own publishing is blocked): a row staged as another process
+        // would gives its outbox something to send.
+        let probe_queue = alarm_queue(&self.queue);
+        let connection = connect(&self.settings).await?;
+        amqp::declare_queue(
+            &connection.create_channel().await?,
+            &probe_queue,
+            inbox::QueueKind::Classic,
+        )
+        .await?;
+        let _ = connection.close(200, "done".into()).await;
         sh("rabbitmqctl -q set_vm_memory_high_watermark 0.000001")?;
         self.say("raised a memory alarm");
+        let pool = inbox::create_pool(&self.settings)?;
+        pool.get()
+            .await?
+            .execute(
+                "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+                 VALUES (gen_random_uuid(), '', $1, 'AlarmProbe', '{}')",
+                &[&probe_queue],
+            )
+            .await?;
+        pool.close();
         tokio::time::sleep(Duration::from_secs(3)).await;
         sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {restore}"))?;
         self.alarms += 1;
@@ -569,6 +595,11 @@ fn sh(command: &str) -> Result<String> {
         )));
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Where the row staged during the memory alarm goes.
+fn alarm_queue(queue: &str) -> String {
+    format!("{queue}.alarm")
 }
 
 /// Where the service forwards a `CheckinRecorded` per check-in.
@@ -1026,6 +1057,7 @@ async fn check(
         error_queue,
         amqp::skipped_queue(&suite.queue),
         forward_queue(&suite.queue),
+        alarm_queue(&suite.queue),
     ] {
         let _ = channel
             .queue_delete(name.as_str().into(), QueueDeleteOptions::default())

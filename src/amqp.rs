@@ -459,10 +459,11 @@ impl AmqpPublisher {
         let confirmation = match tokio::time::timeout(self.confirm_timeout, confirmed).await {
             Ok(confirmation) => confirmation?,
             Err(_) => {
-                let waited = humantime::format_duration(self.confirm_timeout);
-                return Err(not_confirmed(format!(
-                    "no confirm within {waited} (a resource alarm, or a network that answers nothing)"
-                )));
+                return Err(Error::NoConfirm {
+                    message_id,
+                    routing_key: routing_key.to_owned(),
+                    waited: self.confirm_timeout,
+                });
             }
         };
         if !confirmation.is_ack() {

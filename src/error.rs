@@ -102,6 +102,22 @@ pub enum Error {
         reason: String,
     },
 
+    /// The broker did not confirm a publish in time: a resource alarm, a
+    /// node that went, or a network that answers nothing. Whether the
+    /// broker took the message is unknown.
+    #[error(
+        "no confirm for message {message_id} to `{routing_key}` within {} (a resource alarm, a lost node, or a network that answers nothing)",
+        humantime::format_duration(*.waited)
+    )]
+    NoConfirm {
+        /// The message's id, as it was on the message (or `none`).
+        message_id: String,
+        /// Where it was sent.
+        routing_key: String,
+        /// How long it waited (`message_bus.confirm_timeout`).
+        waited: std::time::Duration,
+    },
+
     /// An event could not be serialized to JSON.
     #[error("cannot serialize event `{event_type}`: {source}")]
     Serialize {
@@ -243,6 +259,34 @@ impl Error {
     /// See [`is_unavailable`].
     pub fn is_unavailable(&self) -> bool {
         is_unavailable(self)
+    }
+
+    /// Whether a publish failed because the broker could not be reached or
+    /// did not answer, rather than because it refused the message: a
+    /// connection that failed, closed or is being recovered (an I/O error, a
+    /// missed heartbeat, a connection-level AMQP error such as a node
+    /// shutting down), no connection to be had, or no confirm in time. Such a failure says
+    /// nothing about the message; a refusal (unroutable, a nack, a channel
+    /// error such as a missing exchange) does.
+    pub fn is_broker_unavailable(&self) -> bool {
+        use lapin::ErrorKind;
+        match self {
+            Error::Unreachable { service, .. } => *service == "broker",
+            Error::NoConfirm { .. } => true,
+            Error::Broker(error) => match error.kind() {
+                ErrorKind::IOError(_)
+                | ErrorKind::RuntimeShutdownError(_)
+                | ErrorKind::InvalidConnectionState(_)
+                | ErrorKind::MissingHeartbeatError
+                // lapin is recovering the connection under the channel.
+                | ErrorKind::InvalidChannelState(lapin::ChannelState::Reconnecting, _) => true,
+                ErrorKind::ProtocolError(amqp) => {
+                    matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_))
+                }
+                _ => false,
+            },
+            _ => false,
+        }
     }
 
     pub(crate) fn setting(key: &str, reason: impl Into<String>) -> Self {

@@ -128,6 +128,10 @@ pub struct DispatchReport {
     pub failed: usize,
     /// Failed for the last allowed time: parked as dead.
     pub dead: usize,
+    /// Not sent because the broker could not be reached or did not answer
+    /// (see [`Error::is_broker_unavailable`](crate::Error::is_broker_unavailable)):
+    /// left as they were, no attempt spent, for a later round.
+    pub unsent: usize,
 }
 
 impl DispatchReport {
@@ -312,11 +316,22 @@ impl Round {
             ..DispatchReport::default()
         };
         let mut confirmed: Vec<i64> = Vec::new();
+        let mut unreachable = None;
         for ((&(seq, attempts), outgoing), result) in self.rows.iter().zip(&self.outgoing).zip(results) {
             let Err(error) = result else {
                 confirmed.push(seq);
                 continue;
             };
+            if error.is_broker_unavailable() {
+                // Not the row's doing: a lost node, a broker restarting, an
+                // alarm. It stays as it was, due, and goes out with a later
+                // round (again, if the broker took it after all: the same
+                // message_id, which the receiving inbox skips). An outage
+                // parks no row, however long it lasts.
+                report.unsent += 1;
+                unreachable.get_or_insert(error);
+                continue;
+            }
             // The row may come from any process: a count below zero counts
             // as none.
             let attempts = attempts.max(0).saturating_add(1);
@@ -355,6 +370,13 @@ impl Round {
         }
         report.dispatched = confirmed.len();
         self.uow.commit().await?;
+        if let Some(error) = unreachable {
+            tracing::warn!(
+                rows = report.unsent,
+                error = %error,
+                "the broker is unavailable: outbox messages wait for it, no attempt spent"
+            );
+        }
         Ok(report)
     }
 }

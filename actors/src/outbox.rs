@@ -112,9 +112,11 @@ impl Actor for OutboxActor {
                 // Rounds go on while they come back full. A panic fails the
                 // drain, never the loop: the claimed rows roll back with
                 // their connection and come due again.
+                // A round that found the broker away ends the drain: the
+                // next waits for a wake or the poll.
                 let drained = inbox::drain(&pool, &sink, &settings, |report| {
                     stats.record_dispatch(report);
-                    !*stop.borrow()
+                    !*stop.borrow() && report.unsent == 0
                 });
                 match AssertUnwindSafe(drained).catch_unwind().await {
                     Ok(Ok(())) => {}

@@ -217,6 +217,63 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
 }
 
 #[actix_rt::test]
+async fn a_broker_outage_spends_no_attempt_of_the_rows_waiting_to_go() {
+    let (env, forward) = with_forward_queue("outbox_outage").await;
+    let mut settings = env.settings();
+    let proxy = crate::proxy::broker_through_proxy(&mut settings).await;
+    // Two failed publishes would park a row: rounds during the outage must
+    // not count.
+    settings.outbox.max_attempts = 2;
+    settings.outbox.retry_backoff = Duration::from_millis(50);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    proxy.cut();
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    for key in 0..3 {
+        uow.publish(&forward, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    uow.commit().await.unwrap();
+    // Rounds fail meanwhile, one per connect timeout (2 s) and poll.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (attempts, dead) = (
+        env.scalar("SELECT coalesce(max(attempts), 0)::bigint FROM outbox_messages")
+            .await,
+        env.scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL")
+            .await,
+    );
+    let errors = env
+        .db()
+        .await
+        .query("SELECT last_error FROM outbox_messages", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, Option<String>>(0))
+        .collect::<Vec<_>>();
+    assert_eq!(
+        (attempts, dead),
+        (0, 0),
+        "attempts spent on an outage: {errors:?}"
+    );
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 3);
+    proxy.restore();
+    wait_until("the three arrive once the broker is back", || async {
+        env.ready(&forward).await == 3
+    })
+    .await;
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+    runtime.shutdown().await;
+}
+
+#[actix_rt::test]
 async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
     let (env, forward) = with_forward_queue("outbox_commit").await;
     let runtime = Runtime::builder(env.settings().valid())
