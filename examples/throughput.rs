@@ -54,10 +54,12 @@
 //! the dedup actor to a handler actor (two hops per message).
 //!
 //! With `--repeat N` the scenarios are interleaved N times and each line
-//! gives the medians. Each run's own line (on stderr) ends with the CPU
-//! time other tenants of a virtual machine took meanwhile (`steal_s`, on
-//! Linux): runs with much of it say more about the neighbours than the
-//! code. Latency is from a delivery's arrival to its ack.
+//! gives the medians. On Linux every line gives the CPU per message of
+//! this process, PostgreSQL and RabbitMQ over the scenario
+//! (`cpu_us_per_msg_service`, `_postgres`, `_rabbitmq`), and each run's own
+//! line (on stderr) ends with the CPU time other tenants of a virtual
+//! machine took meanwhile (`steal_s`): runs with much of it say more about
+//! the neighbours than the code. Latency is from a delivery's arrival to its ack.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
 
