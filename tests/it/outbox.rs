@@ -106,6 +106,14 @@ async fn stage_from_another_session(env: &TestEnv, queue: &str, key: i64) {
         .unwrap();
 }
 
+/// Waits until every row has left `outbox_messages`.
+async fn outbox_empties(env: &TestEnv) {
+    wait_until("the outbox is empty", || async {
+        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+    })
+    .await;
+}
+
 /// Whether a message is ready in `queue` within ten seconds.
 async fn arrives_within_10s(env: &TestEnv, queue: &str) -> bool {
     tokio::time::timeout(Duration::from_secs(10), async {
@@ -128,10 +136,7 @@ async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a
         runtime.stats().dead_lettered == 1 && env.ready(&forward).await == 9
     })
     .await;
-    wait_until("the outbox is empty", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
-    })
-    .await;
+    outbox_empties(&env).await;
     runtime.shutdown().await;
     let (ids, mut keys) = drain(&forward).await;
     keys.sort();
@@ -209,10 +214,7 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
         env.ready(&nowhere).await == 1
     })
     .await;
-    wait_until("the outbox is empty", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
-    })
-    .await;
+    outbox_empties(&env).await;
     runtime.shutdown().await;
 }
 
@@ -266,10 +268,7 @@ async fn a_broker_outage_spends_no_attempt_of_the_rows_waiting_to_go() {
         env.ready(&forward).await == 3
     })
     .await;
-    wait_until("the outbox is empty", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
-    })
-    .await;
+    outbox_empties(&env).await;
     runtime.shutdown().await;
 }
 
@@ -330,10 +329,7 @@ async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
         }
         uow.commit().await.unwrap();
     }
-    wait_until("the outbox is empty", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
-    })
-    .await;
+    outbox_empties(&env).await;
     first.shutdown().await;
     second.shutdown().await;
     let (ids, _) = drain(&forward).await;
@@ -591,10 +587,7 @@ async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize) {
         .build()
         .await
         .unwrap();
-    wait_until("the outbox is empty", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages").await == 0
-    })
-    .await;
+    outbox_empties(&env).await;
     wait_until("the stats count every row", || async {
         runtime.stats().outbox_dispatched == rows as u64
     })
