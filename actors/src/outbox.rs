@@ -9,7 +9,8 @@
 //! `outbox.poll_interval` for rows of other processes and retries coming
 //! due. Receives `StopDispatching` at shutdown: the round in progress
 //! finishes, no other starts. A round that fails (the database or the
-//! broker away) is logged and tried again at the next wake or poll.
+//! broker away) is tried again at the next wake or poll; a run of failures
+//! is a WARN when it starts and one when dispatching works again.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -108,6 +109,9 @@ impl Actor for OutboxActor {
             });
         }
         actix_rt::spawn(async move {
+            // Failing since when, and how many drains: an outage is logged
+            // when it starts and when it ends, not at every poll.
+            let mut failing: Option<(std::time::Instant, u64)> = None;
             while !*stop.borrow() {
                 // Rounds go on while they come back full. A panic fails the
                 // drain, never the loop: the claimed rows roll back with
@@ -119,8 +123,21 @@ impl Actor for OutboxActor {
                     !*stop.borrow() && report.unsent == 0
                 });
                 match AssertUnwindSafe(drained).catch_unwind().await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(error = %e, "outbox dispatch failed; trying again"),
+                    Ok(Ok(())) => {
+                        if let Some((since, drains)) = failing.take() {
+                            tracing::warn!(after = ?since.elapsed(), failed_drains = drains, "outbox dispatch works again");
+                        }
+                    }
+                    Ok(Err(e)) => match &mut failing {
+                        None => {
+                            tracing::warn!(error = %e, "outbox dispatch failed; trying again at every wake and poll, logged again once it works");
+                            failing = Some((std::time::Instant::now(), 1));
+                        }
+                        Some((_, drains)) => {
+                            *drains += 1;
+                            tracing::debug!(error = %e, "outbox dispatch failed again");
+                        }
+                    },
                     Err(_) => tracing::error!("outbox dispatch panicked; trying again"),
                 }
                 tokio::select! {

@@ -10,7 +10,7 @@ use inbox_actors::Runtime;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::proxy::{Proxy, broker_through_proxy, database_through_proxy};
-use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
 #[actix_rt::test]
 async fn ready_once_consuming_and_no_longer_while_draining_live_all_along() {
@@ -87,6 +87,33 @@ async fn a_database_outage_makes_it_unready_but_never_unlive() {
         reasons == ["the database is unavailable"]
     })
     .await;
+}
+
+#[actix_rt::test]
+async fn a_database_outage_is_logged_by_the_outbox_dispatcher_when_it_starts_and_ends() {
+    let env = TestEnv::new("outbox_outage_log").await;
+    let mut settings = env.settings();
+    let proxy = database_through_proxy(&mut settings).await;
+    // A drain at every poll: thirty or so fail during the outage.
+    settings.outbox.poll_interval = Duration::from_millis(100);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.restore();
+    wait_until("the dispatcher says it works again", || async {
+        logs.text().contains("outbox dispatch works again")
+    })
+    .await;
+    runtime.shutdown().await;
+    let text = logs.text();
+    let failed = text.matches("outbox dispatch failed;").count();
+    assert_eq!(failed, 1, "one WARN for the whole outage:\n{text}");
 }
 
 #[actix_rt::test]
