@@ -15,7 +15,9 @@
 # The fault run kills only the two added nodes: the service and the suite
 # connect to those (message_bus.amqp_urls), so the queues' leaders start
 # there, and the machine's own node keeps the quorum while one is down.
-# Run it as root, where nothing else uses this RabbitMQ: a few minutes.
+# Run it as root, where nothing else uses this RabbitMQ: two to three
+# minutes, up to about seven when a kill cuts a retry tier's dead-lettering
+# (RabbitMQ re-sends after its two-minute dead-letter confirm timeout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -107,7 +109,7 @@ run)
     up
     cargo build --quiet --example checkin_service --example fault_suite
     urls="amqp://guest:guest@127.0.0.1:$(port 2)/%2f,amqp://guest:guest@127.0.0.1:$(port 3)/%2f"
-    CLUSTER_AMQP_URLS=$urls timeout 600 target/debug/examples/fault_suite --cluster
+    CLUSTER_AMQP_URLS=$urls timeout 900 target/debug/examples/fault_suite --cluster
     ;;
 *)
     echo "usage: $0 [up|down|run|kill N|start N]" >&2
