@@ -371,11 +371,9 @@ impl Round {
         report.dispatched = confirmed.len();
         self.uow.commit().await?;
         if let Some(error) = unreachable {
-            tracing::warn!(
-                rows = report.unsent,
-                error = %error,
-                "the broker is unavailable: outbox messages wait for it, no attempt spent"
-            );
+            // The dispatcher logs the outage once, at WARN; each round's
+            // cause is here.
+            tracing::debug!(rows = report.unsent, error = %error, "the broker is unavailable: outbox messages wait for it");
         }
         Ok(report)
     }

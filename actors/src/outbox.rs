@@ -118,11 +118,21 @@ impl Actor for OutboxActor {
                 // their connection and come due again.
                 // A round that found the broker away ends the drain: the
                 // next waits for a wake or the poll.
+                let mut unsent = 0;
                 let drained = inbox::drain(&pool, &sink, &settings, |report| {
                     stats.record_dispatch(report);
+                    unsent += report.unsent;
                     !*stop.borrow() && report.unsent == 0
                 });
-                match AssertUnwindSafe(drained).catch_unwind().await {
+                let drained = AssertUnwindSafe(drained).catch_unwind().await.map(|drained| {
+                    drained.and_then(|()| match unsent {
+                        0 => Ok(()),
+                        rows => Err(inbox::Error::Runtime(format!(
+                            "the broker is unavailable: {rows} outbox messages wait for it, no attempt spent"
+                        ))),
+                    })
+                });
+                match drained {
                     Ok(Ok(())) => {
                         if let Some((since, drains)) = failing.take() {
                             tracing::warn!(after = ?since.elapsed(), failed_drains = drains, "outbox dispatch works again");
