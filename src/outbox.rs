@@ -1,8 +1,9 @@
 //! The transactional outbox: publishing what a transaction staged, once it
 //! committed.
 //!
-//! [`UnitOfWork::publish`](crate::UnitOfWork::publish) writes a row of
-//! `outbox_messages` in the caller's transaction; [`dispatch`] claims due
+//! [`UnitOfWork::publish`](crate::UnitOfWork::publish) stages a row of
+//! `outbox_messages` in the caller's transaction, written with its
+//! `COMMIT`; [`dispatch`] claims due
 //! rows (`FOR UPDATE SKIP LOCKED`, so several instances never hold the same
 //! row), publishes them with publisher confirms and `mandatory`, and deletes
 //! the confirmed ones in the transaction that claimed them. A crash between
@@ -22,6 +23,7 @@ use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, join_all};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use crate::amqp::AmqpPublisher;
@@ -30,8 +32,9 @@ use crate::error::Result;
 use crate::settings::OutboxSettings;
 use crate::unit_of_work::UnitOfWork;
 
-/// A message on its way out: a row of `outbox_messages`, or, with the
-/// outbox off, held by its unit of work until the commit.
+/// A message on its way out: staged by a unit of work until its commit,
+/// then a row of `outbox_messages` (or, with the outbox off, handed to the
+/// publisher).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outgoing {
     /// Its id: the receiving inbox's dedup key.
@@ -63,6 +66,83 @@ impl Outgoing {
     pub fn properties(&self) -> BasicProperties {
         crate::amqp::message_properties(self.message_id, &self.message_type).with_headers(self.amqp_headers())
     }
+}
+
+/// Messages a unit of work staged, as `outbox_messages`' columns, for the
+/// one `INSERT` that writes them with its `COMMIT`
+/// ([`UnitOfWork::commit`]).
+pub(crate) struct OutboxRows<'a> {
+    message_ids: Vec<Uuid>,
+    exchanges: Vec<&'a str>,
+    routing_keys: Vec<&'a str>,
+    message_types: Vec<&'a str>,
+    headers: Vec<String>,
+    bodies: Vec<&'a [u8]>,
+}
+
+/// One row (a message's one follow-up, the common case).
+const INSERT_ONE: &str =
+    "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
+     VALUES ($1, $2, $3, $4, $5::text::jsonb, $6)";
+
+/// Several rows, numbered in staging order: `seq` follows it.
+const INSERT_MANY: &str =
+    "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
+     SELECT m, e, r, t, h::jsonb, b
+     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[])
+          WITH ORDINALITY AS s (m, e, r, t, h, b, n)
+     ORDER BY n";
+
+impl<'a> OutboxRows<'a> {
+    pub(crate) fn new(messages: &'a [Outgoing]) -> Self {
+        Self {
+            message_ids: messages.iter().map(|m| m.message_id).collect(),
+            exchanges: messages.iter().map(|m| m.exchange.as_str()).collect(),
+            routing_keys: messages.iter().map(|m| m.routing_key.as_str()).collect(),
+            message_types: messages.iter().map(|m| m.message_type.as_str()).collect(),
+            headers: messages.iter().map(|m| headers_json(&m.headers)).collect(),
+            bodies: messages.iter().map(|m| m.body.as_slice()).collect(),
+        }
+    }
+
+    pub(crate) fn sql(&self) -> &'static str {
+        if self.message_ids.len() == 1 {
+            INSERT_ONE
+        } else {
+            INSERT_MANY
+        }
+    }
+
+    /// The parameters of [`sql`](Self::sql).
+    pub(crate) fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        if let ([id], [exchange], [routing_key], [message_type], [headers], [body]) = (
+            self.message_ids.as_slice(),
+            self.exchanges.as_slice(),
+            self.routing_keys.as_slice(),
+            self.message_types.as_slice(),
+            self.headers.as_slice(),
+            self.bodies.as_slice(),
+        ) {
+            return vec![id, exchange, routing_key, message_type, headers, body];
+        }
+        vec![
+            &self.message_ids,
+            &self.exchanges,
+            &self.routing_keys,
+            &self.message_types,
+            &self.headers,
+            &self.bodies,
+        ]
+    }
+}
+
+/// Headers as the JSON object `outbox_messages.headers` holds.
+fn headers_json(headers: &[(String, String)]) -> String {
+    let object: serde_json::Map<String, serde_json::Value> = headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().into()))
+        .collect();
+    serde_json::Value::Object(object).to_string()
 }
 
 /// Where dispatched messages go: the broker ([`AmqpPublisher`], with

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
-use crate::outbox::Outgoing;
+use crate::outbox::{OutboxRows, Outgoing};
 use crate::trace::TraceContext;
 
 /// One message's open transaction over a pooled connection. The inbox claim
@@ -63,13 +63,13 @@ pub struct UnitOfWork {
     /// Where [`publish`](Self::publish) stages messages; `None` where no
     /// dispatcher runs.
     outbox: Option<Outbox>,
-    /// Messages staged with [`publish`](Self::publish).
-    published: u32,
     /// The messages its handlers are handling now, in the order of their
     /// events.
     contexts: Vec<MessageContext>,
-    /// With the outbox off: the messages staged, to hand over after the
-    /// commit.
+    /// The messages staged with [`publish`](Self::publish), in staging
+    /// order: written to `outbox_messages` with the `COMMIT` (the outbox
+    /// on), or handed over after it (off). A rolled-back savepoint or
+    /// nested scope truncates them to what they were when it opened.
     held: Vec<Outgoing>,
     /// How many were held at the open savepoint.
     held_at_savepoint: usize,
@@ -120,7 +120,6 @@ impl UnitOfWork {
             staged_at_savepoint: Vec::new(),
             nested_scopes: 0,
             outbox: None,
-            published: 0,
             contexts: Vec::new(),
             held: Vec::new(),
             held_at_savepoint: 0,
@@ -250,6 +249,14 @@ impl UnitOfWork {
     /// it. A body that cannot be serialized fails here, in the caller's
     /// transaction, never later.
     ///
+    /// The rows are written by [`commit`](Self::commit), in the same
+    /// request as the `COMMIT` (one statement for all of them, in staging
+    /// order): staging costs no round trip, and the transaction holds its
+    /// locks no longer for it. So this transaction's own queries do not
+    /// see its staged rows, and a row that cannot be written (say,
+    /// `outbox_messages` is missing) fails the commit, which then commits
+    /// nothing.
+    ///
     /// Fails on a unit of work without an outbox (the in-process provider,
     /// or one begun by hand without [`with_outbox`](Self::with_outbox)):
     /// nothing would dispatch the row.
@@ -308,44 +315,7 @@ impl UnitOfWork {
             headers,
             body: message.to_json()?,
         };
-        if outbox.after_commit.is_some() {
-            self.held.push(outgoing);
-            return Ok(());
-        }
-        let Outgoing {
-            message_id,
-            exchange,
-            routing_key,
-            message_type,
-            headers,
-            body,
-        } = outgoing;
-        let headers: serde_json::Map<String, serde_json::Value> =
-            headers.into_iter().map(|(k, v)| (k, v.into())).collect();
-        let headers = serde_json::Value::Object(headers).to_string();
-        // Prepared once per connection: a message's follow-up costs one
-        // round trip.
-        let insert = self
-            .client()
-            .prepare_cached(
-                "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, headers, body)
-                 VALUES ($1, $2, $3, $4, $5::text::jsonb, $6)",
-            )
-            .await?;
-        self.client()
-            .execute(
-                &insert,
-                &[
-                    &message_id,
-                    &exchange,
-                    &routing_key,
-                    &message_type,
-                    &headers,
-                    &body,
-                ],
-            )
-            .await?;
-        self.published += 1;
+        self.held.push(outgoing);
         Ok(())
     }
 
@@ -386,10 +356,40 @@ impl UnitOfWork {
     /// the transaction failed, even one a handler caught and ignored:
     /// PostgreSQL answers `COMMIT` in an aborted transaction with a silent
     /// rollback, which would otherwise look like success.
+    ///
+    /// The messages staged with [`publish`](Self::publish) are written in
+    /// the same request, ahead of the probe: if writing them fails, the
+    /// probe fails and nothing commits.
     pub async fn commit(mut self) -> Result<()> {
+        let rows = match &self.outbox {
+            Some(outbox) if outbox.after_commit.is_none() && !self.held.is_empty() => {
+                Some(OutboxRows::new(&self.held))
+            }
+            _ => None,
+        };
+        // Prepared once per connection; after that, no round trip.
+        let insert = match &rows {
+            Some(rows) => Some(self.client().prepare_cached(rows.sql()).await?),
+            None => None,
+        };
+        let write = async {
+            match (&rows, &insert) {
+                (Some(rows), Some(insert)) => self.client().execute(insert, &rows.params()).await.map(drop),
+                _ => Ok(()),
+            }
+        };
+        // Polled in this order, so sent in this order, in one pipeline:
+        // tokio-postgres sends a request when its future is first polled.
         // The probe fails with 25P02 in an aborted transaction, and then
         // COMMIT in the same string is not executed.
-        match self.client().batch_execute(COMMIT).await {
+        let (written, committed) =
+            futures_util::future::join(write, self.client().batch_execute(COMMIT)).await;
+        let wrote_rows = rows.is_some();
+        drop(rows);
+        if let Err(e) = written {
+            return Err(e.into());
+        }
+        match committed {
             Ok(()) => {
                 self.finished = true;
                 if let Some(outbox) = &self.outbox {
@@ -400,7 +400,7 @@ impl UnitOfWork {
                                 let _ = after_commit.send(outgoing);
                             }
                         }
-                        None if self.published > 0 => outbox.wake.notify_one(),
+                        None if wrote_rows => outbox.wake.notify_one(),
                         None => {}
                     }
                 }
@@ -453,7 +453,7 @@ impl Drop for UnitOfWork {
 pub struct Nested<'a> {
     uow: &'a mut UnitOfWork,
     name: String,
-    /// Messages held (outbox off) when the scope opened.
+    /// Messages staged when the scope opened.
     held: usize,
     /// Neither released nor rolled back yet.
     open: bool,

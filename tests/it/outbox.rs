@@ -304,6 +304,61 @@ async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
     assert_eq!(keys, [2]);
 }
 
+/// Staged rows are written with the COMMIT, in its request: a row the
+/// database refuses fails the commit, and the transaction's other writes
+/// do not commit either.
+#[actix_rt::test]
+async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits() {
+    let (env, forward) = with_forward_queue("outbox_refused_row").await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    env.db()
+        .await
+        .batch_execute(
+            "ALTER TABLE outbox_messages ADD CONSTRAINT refuse_one CHECK (routing_key <> 'refused')",
+        )
+        .await
+        .unwrap();
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    increment(&mut uow, "counts", 1).await.unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    uow.publish("refused", &Message::new(Counted { key: 2 }))
+        .await
+        .unwrap();
+    // Not written yet: its own transaction does not see it.
+    let seen: i64 = uow
+        .client()
+        .query_one("SELECT count(*) FROM outbox_messages", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(seen, 0);
+    let refused = uow.commit().await.unwrap_err();
+    assert!(refused.to_string().contains("refuse_one"), "{refused}");
+    assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+    // The runtime's connections still work: the next commit goes through.
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    increment(&mut uow, "counts", 1).await.unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 3 }))
+        .await
+        .unwrap();
+    uow.commit().await.unwrap();
+    wait_until("the committed one arrives", || async {
+        env.ready(&forward).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let (_, keys) = drain(&forward).await;
+    assert_eq!(keys, [3]);
+    assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 1);
+}
+
 #[actix_rt::test]
 async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
     let (env, forward) = with_forward_queue("outbox_two_dispatchers").await;
