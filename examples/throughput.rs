@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release --example throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
-//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward,handwritten_forward,two_instances]
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward,
+//!                  inbox_on_forward_direct,handwritten_forward,two_instances]
 //!     [--repeat 1] [--metrics]
 //! cargo run --release --example throughput -- --outbox 50000
 //! ```
@@ -30,6 +31,11 @@
 //!   `CheckinRecorded` through the outbox, the forward queue drained by a
 //!   plain consumer; done when every message is settled and every unique
 //!   one forwarded.
+//! - `inbox_on_forward_direct`: the same with the outbox off
+//!   (`message_bus.enable_outbox = false`): each follow-up published with a
+//!   confirm right after its commit, no table. Not a guarantee anyone
+//!   should run with (a crash in between loses it), but the floor under
+//!   what forwarding costs: the outbox does this and keeps the row.
 //! - `two_instances`: two runtimes in this process consuming the one queue,
 //!   each with `prefetch` and a pool of its own, as two instances of a
 //!   service would; effects must stay exact (a duplicate in flight in both
@@ -53,13 +59,19 @@
 //! through a `ResponseFuture`, as the consumer talks to the dedup actor and
 //! the dedup actor to a handler actor (two hops per message).
 //!
-//! With `--repeat N` the scenarios are interleaved N times and each line
-//! gives the medians. On Linux every line gives the CPU per message of
+//! With `--repeat N` the scenarios are interleaved N times; each line on
+//! stdout gives the median of each figure over the rounds, and a `ratio`
+//! line per scenario gives its rate over `handwritten`'s (forwarding:
+//! over `inbox_on`'s) round by round, and their median. On Linux every line gives the CPU per message of
 //! this process, PostgreSQL and RabbitMQ over the scenario
 //! (`cpu_us_per_msg_service`, `_postgres`, `_rabbitmq`), and each run's own
 //! line (on stderr) ends with the CPU time other tenants of a virtual
 //! machine took meanwhile (`steal_s`): runs with much of it say more about
-//! the neighbours than the code. Latency is from a delivery's arrival to its ack.
+//! the neighbours than the code. Latency is from a delivery's arrival to its
+//! ack; every scenario reports its quantiles as the runtime's stats do, as
+//! the upper bound of a histogram bucket a quarter of an octave wide
+//! ([`inbox_actors::latency_bound`]), so that the loops timed here and the
+//! runtime are read on one scale.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
 
@@ -93,6 +105,7 @@ enum Scenario {
     InboxOn,
     InboxOnBatched,
     InboxOnForward,
+    InboxOnForwardDirect,
     HandwrittenForward,
     TwoInstances,
 }
@@ -106,6 +119,7 @@ impl Scenario {
             Scenario::InboxOn => "inbox_on",
             Scenario::InboxOnBatched => "inbox_on_batched",
             Scenario::InboxOnForward => "inbox_on_forward",
+            Scenario::InboxOnForwardDirect => "inbox_on_forward_direct",
             Scenario::HandwrittenForward => "handwritten_forward",
             Scenario::TwoInstances => "two_instances",
         }
@@ -123,6 +137,7 @@ impl FromStr for Scenario {
             Scenario::InboxOn,
             Scenario::InboxOnBatched,
             Scenario::InboxOnForward,
+            Scenario::InboxOnForwardDirect,
             Scenario::HandwrittenForward,
             Scenario::TwoInstances,
         ]
@@ -131,7 +146,7 @@ impl FromStr for Scenario {
         .ok_or_else(|| {
             format!(
                 "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_on_batched, \
-                 inbox_on_forward, handwritten_forward, two_instances)"
+                 inbox_on_forward, inbox_on_forward_direct, handwritten_forward, two_instances)"
             )
         })
     }
@@ -286,6 +301,12 @@ async fn run() -> Result<()> {
                 Scenario::InboxOnForward => {
                     forwarding(&connection, for_runtime, count, workload.unique).await?
                 }
+                Scenario::InboxOnForwardDirect => {
+                    // The same follow-ups, published right after each
+                    // commit without the outbox table.
+                    for_runtime.message_bus.enable_outbox = Some(false);
+                    forwarding(&connection, for_runtime, count, workload.unique).await?
+                }
             };
             let cpu = match (cpu_before, CpuSplit::sample()) {
                 (Some(before), Some(after)) => Some(after.since(&before, count)),
@@ -312,8 +333,18 @@ async fn run() -> Result<()> {
             runs[i].push(measured);
         }
     }
-    for (scenario, runs) in scenarios.iter().zip(runs) {
+    for (scenario, runs) in scenarios.iter().zip(&runs) {
         println!("{}", line(*scenario, count, workload.unique, &median(runs)));
+    }
+    for scenario in &scenarios {
+        let against = match scenario {
+            Scenario::InboxOnForward | Scenario::InboxOnForwardDirect => Scenario::InboxOn,
+            Scenario::Handwritten => continue,
+            _ => Scenario::Handwritten,
+        };
+        if let Some(line) = ratio_line(&runs, &scenarios, *scenario, against) {
+            println!("{line}");
+        }
     }
     connection.close(200, "done".into()).await?;
     Ok(())
@@ -418,10 +449,59 @@ fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String
     )
 }
 
-/// The run with the median time (its latencies with it).
-fn median(mut runs: Vec<Measured>) -> Measured {
-    runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
-    runs[runs.len() / 2]
+/// Each figure's median over the runs (the time, each latency quantile,
+/// each process's CPU), not one run's figures: a round that ran fast under
+/// a latency spike must not stand for the p99 of all of them.
+fn median(runs: &[Measured]) -> Measured {
+    fn middle(mut values: Vec<f64>) -> f64 {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    }
+    let of = |figure: fn(&Measured) -> f64| middle(runs.iter().map(figure).collect());
+    let cpu = runs
+        .iter()
+        .map(|run| run.cpu)
+        .collect::<Option<Vec<CpuSplit>>>()
+        .map(|cpus| CpuSplit {
+            service: middle(cpus.iter().map(|c| c.service).collect()),
+            postgres: middle(cpus.iter().map(|c| c.postgres).collect()),
+            rabbitmq: middle(cpus.iter().map(|c| c.rabbitmq).collect()),
+        });
+    Measured {
+        seconds: of(|m| m.seconds),
+        p50: Duration::from_secs_f64(of(|m| m.p50.as_secs_f64())),
+        p99: Duration::from_secs_f64(of(|m| m.p99.as_secs_f64())),
+        effects_ok: runs.iter().all(|m| m.effects_ok),
+        cpu,
+    }
+}
+
+/// Each round's rate of `scenario` over that of `against` in the same
+/// round, and their median: the figure to compare, since a round's
+/// scenarios share its machine's mood.
+fn ratio_line(
+    runs: &[Vec<Measured>],
+    scenarios: &[Scenario],
+    scenario: Scenario,
+    against: Scenario,
+) -> Option<String> {
+    let at = |wanted: Scenario| scenarios.iter().position(|s| *s == wanted);
+    let (mine, theirs) = (&runs[at(scenario)?], &runs[at(against)?]);
+    let ratios: Vec<f64> = mine
+        .iter()
+        .zip(theirs)
+        .map(|(m, t)| t.seconds / m.seconds)
+        .collect();
+    let mut sorted = ratios.clone();
+    sorted.sort_by(f64::total_cmp);
+    let rounds: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+    Some(format!(
+        "ratio scenario={} against={} median={:.2} rounds={}",
+        scenario.name(),
+        against.name(),
+        sorted[sorted.len() / 2],
+        rounds.join(",")
+    ))
 }
 
 /// Publishes the workload to `queue`, confirms collected in windows.
@@ -473,9 +553,13 @@ impl Latencies {
     async fn quantiles(&self) -> (Duration, Duration) {
         let mut all = self.0.lock().await.clone();
         all.sort();
+        // The sample at the quantile's rank, as the runtime's stats rank
+        // it, reported as they report it: its histogram bucket's upper
+        // bound. Exact figures here against bucket bounds there would
+        // flatter the hand-written loop by up to a quarter.
         let at = |q: f64| {
-            all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
-                .copied()
+            let rank = ((all.len() as f64 * q).ceil() as usize).clamp(1, all.len().max(1));
+            all.get(rank - 1).copied().map(inbox_actors::latency_bound)
         };
         (at(0.5).unwrap_or_default(), at(0.99).unwrap_or_default())
     }
@@ -1006,21 +1090,14 @@ async fn outbox(rows: usize) -> Result<()> {
     for _ in 0..total {
         every.tick().await;
         let mut uow = runtime.unit_of_work().await?;
+        // The commit's instant rides in the body (microseconds since base):
+        // the row is written with the COMMIT, right after this.
+        let micros = i64::try_from(base.elapsed().as_micros()).unwrap_or(i64::MAX);
         let staged = Message::new(AttendeeCheckedIn {
-            attendee_id: 0,
+            attendee_id: micros,
             session_id: 0,
         });
         uow.publish(&target, &staged).await?;
-        // The commit's instant rides in the body (microseconds since base).
-        let micros = i64::try_from(base.elapsed().as_micros()).unwrap_or(i64::MAX);
-        uow.client()
-            .execute(
-                "UPDATE outbox_messages SET body = convert_to(
-                     json_build_object('attendee_id', $1::bigint, 'session_id', 0)::text, 'UTF8')
-                 WHERE message_id = $2",
-                &[&micros, &staged.id],
-            )
-            .await?;
         uow.commit().await?;
     }
     let _ = tokio::time::timeout(Duration::from_secs(30), receiving).await;

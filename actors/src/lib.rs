@@ -59,6 +59,6 @@ pub use inbox::{Abandoned, Outcome};
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder, shutdown_signal};
-pub use stats::{Stats, StatsSnapshot};
+pub use stats::{Stats, StatsSnapshot, latency_bound};
 
 pub use inbox;

@@ -252,6 +252,15 @@ impl Stats {
     }
 }
 
+/// What [`Stats::latency_quantile`] reports for a quantile that falls on
+/// `latency`: the upper bound of its bucket (at most a quarter above it).
+/// Latencies measured outside the runtime go through this to be compared
+/// with the runtime's on the same scale.
+pub fn latency_bound(latency: Duration) -> Duration {
+    let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+    Duration::from_micros(bucket_upper_bound(latency_bucket(micros)))
+}
+
 /// Values 0 to 3 µs have a bucket each; above, each power of two is split in
 /// four by the two bits after the leading one.
 fn latency_bucket(micros: u64) -> usize {
@@ -305,5 +314,8 @@ mod tests {
             p99 >= Duration::from_millis(99) && p99 <= Duration::from_micros(123_750),
             "{p99:?}"
         );
+        // A latency measured elsewhere maps to what these quantiles report.
+        assert_eq!(latency_bound(Duration::from_millis(50)), p50);
+        assert_eq!(latency_bound(Duration::from_millis(99)), p99);
     }
 }
