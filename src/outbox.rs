@@ -93,8 +93,40 @@ const INSERT_MANY: &str =
           WITH ORDINALITY AS s (m, e, r, t, h, b, n)
      ORDER BY n";
 
+/// The most rows one `INSERT` writes…
+const ROWS_PER_INSERT: usize = 1000;
+/// …and about the most bytes of headers and bodies: PostgreSQL refuses a
+/// protocol message past 1 GB, and a transaction may stage many large
+/// messages.
+const BYTES_PER_INSERT: usize = 64 * 1024 * 1024;
+
 impl<'a> OutboxRows<'a> {
-    pub(crate) fn new(messages: &'a [Outgoing]) -> Self {
+    /// `messages` in staging order, in chunks of at most
+    /// [`ROWS_PER_INSERT`] rows and about [`BYTES_PER_INSERT`] bytes (a
+    /// larger message goes alone); none for none.
+    pub(crate) fn chunks(messages: &'a [Outgoing]) -> Vec<Self> {
+        let mut chunks = Vec::new();
+        let (mut start, mut bytes) = (0, 0);
+        for (i, message) in messages.iter().enumerate() {
+            let size = message.body.len()
+                + message
+                    .headers
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len())
+                    .sum::<usize>();
+            if i > start && (i - start == ROWS_PER_INSERT || bytes + size > BYTES_PER_INSERT) {
+                chunks.push(Self::new(&messages[start..i]));
+                (start, bytes) = (i, 0);
+            }
+            bytes += size;
+        }
+        if start < messages.len() {
+            chunks.push(Self::new(&messages[start..]));
+        }
+        chunks
+    }
+
+    fn new(messages: &'a [Outgoing]) -> Self {
         Self {
             message_ids: messages.iter().map(|m| m.message_id).collect(),
             exchanges: messages.iter().map(|m| m.exchange.as_str()).collect(),
@@ -591,4 +623,55 @@ pub async fn retry_dead(pool: &Pool, only: Option<&std::collections::HashSet<Uui
         .execute("SELECT pg_notify($1, '')", &[&CHANNEL])
         .await?;
     Ok(revived)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(body_bytes: usize) -> Outgoing {
+        Outgoing {
+            message_id: Uuid::now_v7(),
+            exchange: String::new(),
+            routing_key: "q".into(),
+            message_type: "T".into(),
+            headers: vec![("correlation_id".into(), "c".into())],
+            body: vec![b'x'; body_bytes],
+        }
+    }
+
+    fn sizes(messages: &[Outgoing]) -> Vec<usize> {
+        OutboxRows::chunks(messages)
+            .iter()
+            .map(|c| c.message_ids.len())
+            .collect()
+    }
+
+    #[test]
+    fn staged_rows_go_in_chunks_of_a_thousand_in_staging_order() {
+        assert!(OutboxRows::chunks(&[]).is_empty());
+        let messages: Vec<Outgoing> = (0..2_345).map(|_| message(10)).collect();
+        assert_eq!(sizes(&messages), [1_000, 1_000, 345]);
+        let ids: Vec<Uuid> = OutboxRows::chunks(&messages)
+            .iter()
+            .flat_map(|c| c.message_ids.clone())
+            .collect();
+        assert_eq!(ids, messages.iter().map(|m| m.message_id).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn large_messages_split_a_chunk_and_one_larger_than_a_chunk_goes_alone() {
+        let mb = 1024 * 1024;
+        let messages = [
+            message(40 * mb),
+            message(20 * mb),
+            message(10 * mb),
+            message(100 * mb),
+            message(1),
+        ];
+        // 40 + 20 fit; 10 does not join them; 100 goes alone; 1 follows it.
+        assert_eq!(sizes(&messages), [2, 1, 1, 1]);
+        assert_eq!(OutboxRows::chunks(&messages[..1])[0].sql(), INSERT_ONE);
+        assert_eq!(OutboxRows::chunks(&messages[1..3])[0].sql(), INSERT_MANY);
+    }
 }

@@ -361,21 +361,27 @@ impl UnitOfWork {
     /// the same request, ahead of the probe: if writing them fails, the
     /// probe fails and nothing commits.
     pub async fn commit(mut self) -> Result<()> {
-        let rows = match &self.outbox {
-            Some(outbox) if outbox.after_commit.is_none() && !self.held.is_empty() => {
-                Some(OutboxRows::new(&self.held))
+        let chunks = match &self.outbox {
+            Some(outbox) if outbox.after_commit.is_none() => OutboxRows::chunks(&self.held),
+            _ => Vec::new(),
+        };
+        let wrote_rows = !chunks.is_empty();
+        // The last chunk (nearly always the only one) goes with the COMMIT;
+        // any before it, one round trip each. Each statement is prepared
+        // once per connection; after that, no round trip.
+        let mut last = None;
+        for (i, chunk) in chunks.iter().enumerate() {
+            let insert = self.client().prepare_cached(chunk.sql()).await?;
+            if i + 1 < chunks.len() {
+                self.client().execute(&insert, &chunk.params()).await?;
+            } else {
+                last = Some((chunk, insert));
             }
-            _ => None,
-        };
-        // Prepared once per connection; after that, no round trip.
-        let insert = match &rows {
-            Some(rows) => Some(self.client().prepare_cached(rows.sql()).await?),
-            None => None,
-        };
+        }
         let write = async {
-            match (&rows, &insert) {
-                (Some(rows), Some(insert)) => self.client().execute(insert, &rows.params()).await.map(drop),
-                _ => Ok(()),
+            match &last {
+                Some((chunk, insert)) => self.client().execute(insert, &chunk.params()).await.map(drop),
+                None => Ok(()),
             }
         };
         // Polled in this order, so sent in this order, in one pipeline:
@@ -384,8 +390,8 @@ impl UnitOfWork {
         // COMMIT in the same string is not executed.
         let (written, committed) =
             futures_util::future::join(write, self.client().batch_execute(COMMIT)).await;
-        let wrote_rows = rows.is_some();
-        drop(rows);
+        drop(last);
+        drop(chunks);
         if let Err(e) = written {
             return Err(e.into());
         }

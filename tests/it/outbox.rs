@@ -614,7 +614,7 @@ async fn a_routing_key_past_255_bytes_is_refused_at_staging_and_parked_at_dispat
 /// Stages `rows` follow-ups in one transaction before a runtime with
 /// outbox batches of 10 and a pool of `pool_size` starts, then checks that
 /// they arrive once each and in staging order, across rounds.
-async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize) {
+async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize, rows: i64) {
     let mut env = TestEnv::new(name).await;
     let forward = env.another_queue("forward");
     declare_queue(&forward).await;
@@ -628,7 +628,6 @@ async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize) {
         .await
         .unwrap();
     let mut uow = staging.unit_of_work().await.unwrap();
-    let rows = 205;
     for key in 0..rows {
         uow.publish(&forward, &Message::new(Counted { key }))
             .await
@@ -653,14 +652,21 @@ async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize) {
     assert_eq!(ids.iter().collect::<HashSet<_>>().len(), rows as usize);
 }
 
+/// More rows than one INSERT writes: the commit writes them in chunks,
+/// the last with the COMMIT.
+#[actix_rt::test]
+async fn a_transaction_staging_thousands_of_rows_commits_them_all_in_staging_order() {
+    a_backlog_arrives_once_in_staging_order("outbox_thousands", 4, 2_345).await;
+}
+
 #[actix_rt::test]
 async fn a_backlog_drained_in_pipelined_rounds_arrives_once_each_in_staging_order() {
-    a_backlog_arrives_once_in_staging_order("outbox_pipelined", 4).await;
+    a_backlog_arrives_once_in_staging_order("outbox_pipelined", 4, 205).await;
 }
 
 #[actix_rt::test]
 async fn with_a_pool_of_one_connection_a_backlog_drains_round_after_round_in_order() {
-    a_backlog_arrives_once_in_staging_order("outbox_pool_of_one", 1).await;
+    a_backlog_arrives_once_in_staging_order("outbox_pool_of_one", 1, 205).await;
 }
 
 #[actix_rt::test]
