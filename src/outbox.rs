@@ -387,21 +387,21 @@ impl Round {
             .client()
             .query(&claim, &[&i64::from(settings.batch_size), &after])
             .await?;
-        let rows = claimed
-            .iter()
-            .map(|row| (row.get("seq"), row.get("attempts")))
-            .collect();
-        let outgoing = claimed
-            .iter()
-            .map(|row| Outgoing {
-                message_id: row.get("message_id"),
-                exchange: row.get("exchange"),
-                routing_key: row.get("routing_key"),
-                message_type: row.get("message_type"),
-                headers: headers(row.get("headers")),
-                body: row.get("body"),
-            })
-            .collect();
+        // `try_get`: a column whose type changed under the runtime fails
+        // the round with an error that names it, rather than a panic.
+        let mut rows = Vec::with_capacity(claimed.len());
+        let mut outgoing = Vec::with_capacity(claimed.len());
+        for row in &claimed {
+            rows.push((row.try_get("seq")?, row.try_get("attempts")?));
+            outgoing.push(Outgoing {
+                message_id: row.try_get("message_id")?,
+                exchange: row.try_get("exchange")?,
+                routing_key: row.try_get("routing_key")?,
+                message_type: row.try_get("message_type")?,
+                headers: headers(row.try_get("headers")?),
+                body: row.try_get("body")?,
+            });
+        }
         Ok(Self { uow, rows, outgoing })
     }
 

@@ -384,12 +384,21 @@ impl UnitOfWork {
                 None => Ok(()),
             }
         };
-        // Polled in this order, so sent in this order, in one pipeline:
+        // The rows, then the probe and COMMIT, in one pipeline:
         // tokio-postgres sends a request when its future is first polled.
-        // The probe fails with 25P02 in an aborted transaction, and then
-        // COMMIT in the same string is not executed.
-        let (written, committed) =
-            futures_util::future::join(write, self.client().batch_execute(COMMIT)).await;
+        // A failed insert aborts the transaction, the probe then fails with
+        // 25P02, and COMMIT in the same string is not executed.
+        let (written, committed) = {
+            let mut write = std::pin::pin!(write);
+            match write.as_mut().now_or_never() {
+                // Refused before it was sent (a value that does not fit the
+                // column's type, after a schema change): the COMMIT must
+                // not go without it.
+                Some(Err(e)) => return Err(e.into()),
+                Some(Ok(())) => (Ok(()), self.client().batch_execute(COMMIT).await),
+                None => futures_util::future::join(write, self.client().batch_execute(COMMIT)).await,
+            }
+        };
         drop(last);
         drop(chunks);
         if let Err(e) = written {

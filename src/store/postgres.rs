@@ -63,8 +63,8 @@ impl InboxStore for PgInboxStore {
             .query(&statement, &[&consumers, &ids, &types])
             .await?
             .iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect();
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .collect::<std::result::Result<_, tokio_postgres::Error>>()?;
         let mut claims = Vec::with_capacity(keys.len());
         for key in keys {
             if claimed.contains(&(key.consumer.clone(), key.message_id)) {

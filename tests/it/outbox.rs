@@ -359,6 +359,34 @@ async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits(
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 1);
 }
 
+/// A staged row can also be refused before it leaves the process: a value
+/// that no longer fits its column (the table changed under the runtime).
+/// Then the COMMIT must not go alone.
+#[actix_rt::test]
+async fn a_staged_row_refused_before_it_is_sent_lets_nothing_commit() {
+    let (env, forward) = with_forward_queue("outbox_unsendable_row").await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    env.db()
+        .await
+        .batch_execute("ALTER TABLE outbox_messages ALTER COLUMN message_id TYPE text")
+        .await
+        .unwrap();
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    increment(&mut uow, "counts", 1).await.unwrap();
+    uow.publish(&forward, &Message::new(Counted { key: 1 }))
+        .await
+        .unwrap();
+    let refused = uow.commit().await.unwrap_err();
+    assert!(inbox::describe(&refused).contains("uuid"), "{refused}");
+    assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+    runtime.shutdown().await;
+}
+
 #[actix_rt::test]
 async fn two_runtimes_dispatching_from_one_database_send_each_row_once() {
     let (env, forward) = with_forward_queue("outbox_two_dispatchers").await;
