@@ -62,9 +62,10 @@
 //! With `--repeat N` the scenarios are interleaved N times; each line on
 //! stdout gives the median of each figure over the rounds, and a `ratio`
 //! line per scenario gives its rate over `handwritten`'s (forwarding:
-//! over `inbox_on`'s) round by round, and their median. On Linux every line gives the CPU per message of
-//! this process, PostgreSQL and RabbitMQ over the scenario
-//! (`cpu_us_per_msg_service`, `_postgres`, `_rabbitmq`), and each run's own
+//! over `inbox_on`'s) round by round, and their median. On Linux every
+//! line gives the CPU per message of this process, PostgreSQL and RabbitMQ
+//! over the scenario (`cpu_us_per_msg_service`, `_postgres`, `_rabbitmq`),
+//! and each run's own
 //! line (on stderr) ends with the CPU time other tenants of a virtual
 //! machine took meanwhile (`steal_s`): runs with much of it say more about
 //! the neighbours than the code. Latency is from a delivery's arrival to its

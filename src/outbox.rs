@@ -68,9 +68,9 @@ impl Outgoing {
     }
 }
 
-/// Messages a unit of work staged, as `outbox_messages`' columns, for the
-/// one `INSERT` that writes them with its `COMMIT`
-/// ([`UnitOfWork::commit`]).
+/// Messages a unit of work staged, as `outbox_messages`' columns, for an
+/// `INSERT` that writes them: [`UnitOfWork::commit`] sends the last (and
+/// nearly always only) one with its `COMMIT`.
 pub(crate) struct OutboxRows<'a> {
     message_ids: Vec<Uuid>,
     exchanges: Vec<&'a str>,

@@ -250,8 +250,8 @@ impl UnitOfWork {
     /// transaction, never later.
     ///
     /// The rows are written by [`commit`](Self::commit), in the same
-    /// request as the `COMMIT` (one statement for all of them, in staging
-    /// order): staging costs no round trip, and the transaction holds its
+    /// request as the `COMMIT` (one statement for up to 1,000 of them, in
+    /// staging order): staging costs no round trip, and the transaction holds its
     /// locks no longer for it. So this transaction's own queries do not
     /// see its staged rows, and a row that cannot be written (say,
     /// `outbox_messages` is missing) fails the commit, which then commits
