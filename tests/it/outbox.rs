@@ -304,33 +304,24 @@ async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
     assert_eq!(keys, [2]);
 }
 
-/// Staged rows are written with the COMMIT, in its request: a row the
-/// database refuses fails the commit, and the transaction's other writes
-/// do not commit either.
-#[actix_rt::test]
-async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits() {
-    let (env, forward) = with_forward_queue("outbox_refused_row").await;
+/// Starts a runtime, changes `outbox_messages` with `ddl`, then commits a
+/// write with a follow-up to each of `routing_keys`: the commit must fail
+/// and commit nothing. Returns the runtime and the commit's error.
+async fn a_commit_refused_after(env: &TestEnv, ddl: &str, routing_keys: &[&str]) -> (Runtime, inbox::Error) {
     let runtime = Runtime::builder(env.settings().valid())
         .handler(crate::support::Count)
         .start()
         .await
         .unwrap();
-    env.db()
-        .await
-        .batch_execute(
-            "ALTER TABLE outbox_messages ADD CONSTRAINT refuse_one CHECK (routing_key <> 'refused')",
-        )
-        .await
-        .unwrap();
+    env.db().await.batch_execute(ddl).await.unwrap();
     let mut uow = runtime.unit_of_work().await.unwrap();
     increment(&mut uow, "counts", 1).await.unwrap();
-    uow.publish(&forward, &Message::new(Counted { key: 1 }))
-        .await
-        .unwrap();
-    uow.publish("refused", &Message::new(Counted { key: 2 }))
-        .await
-        .unwrap();
-    // Not written yet: its own transaction does not see it.
+    for (key, routing_key) in (1..).zip(routing_keys) {
+        uow.publish(routing_key, &Message::new(Counted { key }))
+            .await
+            .unwrap();
+    }
+    // Not written yet: its own transaction does not see them.
     let seen: i64 = uow
         .client()
         .query_one("SELECT count(*) FROM outbox_messages", &[])
@@ -339,9 +330,24 @@ async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits(
         .get(0);
     assert_eq!(seen, 0);
     let refused = uow.commit().await.unwrap_err();
-    assert!(refused.to_string().contains("refuse_one"), "{refused}");
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
     assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+    (runtime, refused)
+}
+
+/// Staged rows are written with the COMMIT, in its request: a row the
+/// database refuses fails the commit, and the transaction's other writes
+/// do not commit either.
+#[actix_rt::test]
+async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits() {
+    let (env, forward) = with_forward_queue("outbox_refused_row").await;
+    let (runtime, refused) = a_commit_refused_after(
+        &env,
+        "ALTER TABLE outbox_messages ADD CONSTRAINT refuse_one CHECK (routing_key <> 'refused')",
+        &[&forward, "refused"],
+    )
+    .await;
+    assert!(refused.to_string().contains("refuse_one"), "{refused}");
     // The runtime's connections still work: the next commit goes through.
     let mut uow = runtime.unit_of_work().await.unwrap();
     increment(&mut uow, "counts", 1).await.unwrap();
@@ -365,25 +371,13 @@ async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits(
 #[actix_rt::test]
 async fn a_staged_row_refused_before_it_is_sent_lets_nothing_commit() {
     let (env, forward) = with_forward_queue("outbox_unsendable_row").await;
-    let runtime = Runtime::builder(env.settings().valid())
-        .handler(crate::support::Count)
-        .start()
-        .await
-        .unwrap();
-    env.db()
-        .await
-        .batch_execute("ALTER TABLE outbox_messages ALTER COLUMN message_id TYPE text")
-        .await
-        .unwrap();
-    let mut uow = runtime.unit_of_work().await.unwrap();
-    increment(&mut uow, "counts", 1).await.unwrap();
-    uow.publish(&forward, &Message::new(Counted { key: 1 }))
-        .await
-        .unwrap();
-    let refused = uow.commit().await.unwrap_err();
+    let (runtime, refused) = a_commit_refused_after(
+        &env,
+        "ALTER TABLE outbox_messages ALTER COLUMN message_id TYPE text",
+        &[&forward],
+    )
+    .await;
     assert!(inbox::describe(&refused).contains("uuid"), "{refused}");
-    assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
-    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
     runtime.shutdown().await;
 }
 
