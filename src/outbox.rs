@@ -168,15 +168,6 @@ impl<'a> OutboxRows<'a> {
     }
 }
 
-/// Headers as the JSON object `outbox_messages.headers` holds.
-fn headers_json(headers: &[(String, String)]) -> String {
-    let object: serde_json::Map<String, serde_json::Value> = headers
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_str().into()))
-        .collect();
-    serde_json::Value::Object(object).to_string()
-}
-
 /// Where dispatched messages go: the broker ([`AmqpPublisher`], with
 /// confirms), or, in process, the handlers.
 pub trait Sink: Send + Sync + 'static {
@@ -533,6 +524,15 @@ pub async fn backlog(pool: &Pool) -> Result<Backlog> {
     })
 }
 
+/// Headers as the JSON object `outbox_messages.headers` holds.
+fn headers_json(headers: &[(String, String)]) -> String {
+    let object: serde_json::Map<String, serde_json::Value> = headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().into()))
+        .collect();
+    serde_json::Value::Object(object).to_string()
+}
+
 /// The row's headers: a JSON object of strings, as staging writes them.
 fn headers(json: &str) -> Vec<(String, String)> {
     match serde_json::from_str(json) {
@@ -645,6 +645,13 @@ mod tests {
             .iter()
             .map(|c| c.message_ids.len())
             .collect()
+    }
+
+    #[test]
+    fn headers_go_into_the_row_as_json_and_come_back_as_they_were() {
+        let staged = message(1).headers;
+        assert_eq!(headers(&headers_json(&staged)), staged);
+        assert!(headers("not json").is_empty());
     }
 
     #[test]

@@ -125,6 +125,19 @@ async fn arrives_within_10s(env: &TestEnv, queue: &str) -> bool {
     .is_ok()
 }
 
+/// Waits until as many messages as `keys` are ready in `forward`, stops
+/// the runtime, and checks that exactly `keys` arrived, in that order.
+async fn only_these_arrive(env: &TestEnv, runtime: Runtime, forward: &str, keys: &[i64]) {
+    let expected = u32::try_from(keys.len()).unwrap();
+    wait_until("the committed ones arrive", || async {
+        env.ready(forward).await == expected
+    })
+    .await;
+    runtime.shutdown().await;
+    let (_, arrived) = drain(forward).await;
+    assert_eq!(arrived, keys);
+}
+
 #[actix_rt::test]
 async fn a_follow_up_staged_in_a_handler_leaves_after_its_commit_and_never_for_a_rollback() {
     let (env, forward) = with_forward_queue("outbox_forward").await;
@@ -295,13 +308,38 @@ async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(env.ready(&forward).await, 0);
     pending.commit().await.unwrap();
-    wait_until("the committed one arrives", || async {
-        env.ready(&forward).await == 1
-    })
-    .await;
-    runtime.shutdown().await;
-    let (_, keys) = drain(&forward).await;
-    assert_eq!(keys, [2]);
+    only_these_arrive(&env, runtime, &forward, &[2]).await;
+}
+
+/// Staged messages wait in the unit of work until its commit: a handler's
+/// nested scope rolled back (or dropped unfinished) takes what it staged
+/// with it; one released keeps it.
+#[actix_rt::test]
+async fn a_nested_scope_rolled_back_or_dropped_takes_its_staged_messages_with_it() {
+    let (env, forward) = with_forward_queue("outbox_nested").await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap();
+    let stage = |key| Message::new(Counted { key });
+    let mut uow = runtime.unit_of_work().await.unwrap();
+    uow.publish(&forward, &stage(1)).await.unwrap();
+    let mut rolled_back = uow.nested().await.unwrap();
+    rolled_back.publish(&forward, &stage(2)).await.unwrap();
+    rolled_back.rollback().await.unwrap();
+    let mut dropped = uow.nested().await.unwrap();
+    dropped.publish(&forward, &stage(3)).await.unwrap();
+    drop(dropped);
+    let mut released = uow.nested().await.unwrap();
+    released.publish(&forward, &stage(4)).await.unwrap();
+    let mut inner = released.nested().await.unwrap();
+    inner.publish(&forward, &stage(5)).await.unwrap();
+    inner.rollback().await.unwrap();
+    released.release().await.unwrap();
+    uow.publish(&forward, &stage(6)).await.unwrap();
+    uow.commit().await.unwrap();
+    only_these_arrive(&env, runtime, &forward, &[1, 4, 6]).await;
 }
 
 /// Starts a runtime, changes `outbox_messages` with `ddl`, then commits a
@@ -355,13 +393,7 @@ async fn a_staged_row_the_database_refuses_fails_the_commit_and_nothing_commits(
         .await
         .unwrap();
     uow.commit().await.unwrap();
-    wait_until("the committed one arrives", || async {
-        env.ready(&forward).await == 1
-    })
-    .await;
-    runtime.shutdown().await;
-    let (_, keys) = drain(&forward).await;
-    assert_eq!(keys, [3]);
+    only_these_arrive(&env, runtime, &forward, &[3]).await;
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 1);
 }
 
