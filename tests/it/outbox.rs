@@ -65,6 +65,15 @@ async fn forwarding(settings: inbox::Settings, forward: &str) -> Runtime {
         .unwrap()
 }
 
+/// A runtime on `env`'s settings whose handler only counts.
+async fn counting(env: &TestEnv) -> Runtime {
+    Runtime::builder(env.settings().valid())
+        .handler(crate::support::Count)
+        .start()
+        .await
+        .unwrap()
+}
+
 /// Takes every message of `queue`: their `message_id`s and bodies' keys.
 async fn drain(queue: &str) -> (Vec<String>, Vec<i64>) {
     let connection = amqp().await;
@@ -288,11 +297,7 @@ async fn a_broker_outage_spends_no_attempt_of_the_rows_waiting_to_go() {
 #[actix_rt::test]
 async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
     let (env, forward) = with_forward_queue("outbox_commit").await;
-    let runtime = Runtime::builder(env.settings().valid())
-        .handler(crate::support::Count)
-        .start()
-        .await
-        .unwrap();
+    let runtime = counting(&env).await;
     let mut rolled_back = runtime.unit_of_work().await.unwrap();
     rolled_back
         .publish(&forward, &Message::new(Counted { key: 1 }))
@@ -317,11 +322,7 @@ async fn nothing_staged_leaves_before_the_commit_or_after_a_rollback() {
 #[actix_rt::test]
 async fn a_nested_scope_rolled_back_or_dropped_takes_its_staged_messages_with_it() {
     let (env, forward) = with_forward_queue("outbox_nested").await;
-    let runtime = Runtime::builder(env.settings().valid())
-        .handler(crate::support::Count)
-        .start()
-        .await
-        .unwrap();
+    let runtime = counting(&env).await;
     let stage = |key| Message::new(Counted { key });
     let mut uow = runtime.unit_of_work().await.unwrap();
     uow.publish(&forward, &stage(1)).await.unwrap();
@@ -346,11 +347,7 @@ async fn a_nested_scope_rolled_back_or_dropped_takes_its_staged_messages_with_it
 /// write with a follow-up to each of `routing_keys`: the commit must fail
 /// and commit nothing. Returns the runtime and the commit's error.
 async fn a_commit_refused_after(env: &TestEnv, ddl: &str, routing_keys: &[&str]) -> (Runtime, inbox::Error) {
-    let runtime = Runtime::builder(env.settings().valid())
-        .handler(crate::support::Count)
-        .start()
-        .await
-        .unwrap();
+    let runtime = counting(env).await;
     env.db().await.batch_execute(ddl).await.unwrap();
     let mut uow = runtime.unit_of_work().await.unwrap();
     increment(&mut uow, "counts", 1).await.unwrap();
