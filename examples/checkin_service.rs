@@ -103,13 +103,16 @@ async fn run() -> inbox::Result<()> {
         builder = builder.handler(AbortOn { attendee_id });
     }
     let forward_to = common::arg("--forward-to");
-    builder = builder.handler(CountCheckins).handler(CountAttendance);
+    builder = builder
+        .migrations(common::SCHEMA)
+        .handler(CountCheckins)
+        .handler(CountAttendance);
     if let Some(queue) = &forward_to {
         builder = builder.handler(ForwardCheckins { queue: queue.clone() });
     }
-    // Ready, not consuming yet: the service's own tables and queues first.
+    // Ready, not consuming yet (its tables are there: `migrations`): the
+    // queue for follow-ups first.
     let runtime = builder.build().await?;
-    common::create_tables(runtime.pool()).await?;
     if let Some(queue) = &forward_to {
         declare_forward_queue(runtime.settings(), queue).await?;
     }

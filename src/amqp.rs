@@ -20,6 +20,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Exchange
 use tracing::Instrument;
 use uuid::Uuid;
 
+use crate::confirms::{Confirmed, Confirms};
 use crate::envelope::JSON;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
@@ -51,11 +52,12 @@ static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
 /// `connection.blocked` (a memory or disk alarm: publishing stops) and
 /// `connection.unblocked`.
 ///
-/// With one broker, lapin's automatic recovery is on (connection, channels,
-/// topology, consumers and QoS are replayed after a network fault, to the
-/// same broker). With several it is off: a node that went stays gone for a
-/// while, and the runtime's own reconnect (a consumer whose connection
-/// ended, the publisher's) comes here and goes to the next node.
+/// lapin's automatic recovery stays off: the runtime's own reconnect (a
+/// consumer whose connection ended, a publisher's) comes here, with one
+/// node or several (then it goes to the next node). One owner of
+/// reconnection, not two: with both, a consumer that gave up waiting for
+/// lapin's recovery and opened a new connection would find the old one
+/// recovered behind it too, consuming deliveries nobody settles.
 pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
     let urls = settings.amqp_urls();
     let timeout = settings.message_bus.connect_timeout;
@@ -73,13 +75,9 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
         tried_in_round += 1;
         let endpoint = crate::settings::broker_endpoint(url);
         let left = timeout.saturating_sub(started.elapsed());
-        let mut properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
-        if urls.len() == 1 {
-            properties = properties.enable_auto_recover();
-        }
-        // With recovery on, lapin retries a refused TCP connection by itself,
-        // 16 times over minutes and without a word: reach the port first, so
-        // that each failure is seen and logged here.
+        let properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
+        // Reach the port first, so that each failure is seen and logged
+        // here, with the host it concerns.
         let connecting = async {
             reach(url).await?;
             Connection::connect(url, properties)
@@ -272,9 +270,18 @@ fn text(value: &str) -> AMQPValue {
 /// closes the channel on the broker's side: the publish that caused it
 /// fails, and the next one opens a fresh channel, so one bad publish never
 /// stops the ones after it. A publisher from [`connect`](Self::connect)
-/// owns its connection and also opens a new one when lapin's recovery has
-/// given up or has not brought it back within `message_bus.connect_timeout`
-/// (a network that drops packets). Clones share the channel.
+/// owns its connection and also opens a new one when it is lost, or still
+/// opening past `message_bus.connect_timeout` (a network that drops
+/// packets). Clones share the channel.
+///
+/// Before a message is sent it must fit what the broker takes
+/// ([`crate::limits`]): else it fails alone, as
+/// [`Error::Unpublishable`], rather than close the connection for every
+/// other publish on it. Nothing is sent while the broker blocks the
+/// connection (a resource alarm): a publish waits for the alarm to lift
+/// within its confirm timeout, then fails as [`Error::Blocked`]. A
+/// returned (unroutable) message is matched to its publish by
+/// `message_id`.
 #[derive(Clone)]
 pub struct AmqpPublisher {
     link: Arc<tokio::sync::Mutex<PublishLink>>,
@@ -282,6 +289,8 @@ pub struct AmqpPublisher {
     redial: Option<Arc<Redial>>,
     exchange: String,
     confirm_timeout: Duration,
+    /// The largest body [`Sink::send`](crate::Sink::send) lets out.
+    max_message_size: usize,
 }
 
 impl std::fmt::Debug for AmqpPublisher {
@@ -294,10 +303,32 @@ impl std::fmt::Debug for AmqpPublisher {
     }
 }
 
+/// Whether `connection` is not blocked by a resource alarm, or no longer
+/// within `patience`.
+async fn unblocked_within(connection: &Connection, patience: Duration) -> bool {
+    let started = std::time::Instant::now();
+    while connection.status().blocked() {
+        if started.elapsed() >= patience {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    true
+}
+
+/// What one publish goes out on.
+struct Publishing {
+    channel: Channel,
+    confirms: Confirms,
+    connection: Arc<Connection>,
+}
+
 /// A publisher's connection and channel.
 struct PublishLink {
     connection: Arc<Connection>,
     channel: Channel,
+    /// The channel's confirms, each read with its own return.
+    confirms: Confirms,
     /// Since when the connection has been seen down.
     down_since: Option<std::time::Instant>,
 }
@@ -316,28 +347,32 @@ impl AmqpPublisher {
     /// Confirms are awaited for 30 s; see
     /// [`with_confirm_timeout`](Self::with_confirm_timeout).
     pub async fn new(connection: &Arc<Connection>, exchange: impl Into<String>) -> Result<Self> {
-        let channel = confirming_channel(connection).await?;
+        let (channel, confirms) = confirming_channel(connection).await?;
         Ok(Self {
             link: Arc::new(tokio::sync::Mutex::new(PublishLink {
                 connection: Arc::clone(connection),
                 channel,
+                confirms,
                 down_since: None,
             })),
             redial: None,
             exchange: exchange.into(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            max_message_size: crate::limits::DEFAULT_MAX_MESSAGE_SIZE,
         })
     }
 
     /// A publisher with a connection of its own ([`connect`]ed as `name`),
     /// to `message_bus.exchange`, confirms awaited for
-    /// `message_bus.confirm_timeout`. It connects again by itself when its
-    /// connection is lost for good.
+    /// `message_bus.confirm_timeout`, outbox rows' bodies bounded by
+    /// `message_bus.max_message_size`. It connects again by itself when its
+    /// connection is lost.
     pub async fn connect(settings: &Settings, name: &str) -> Result<Self> {
         let connection = connect(settings, name).await?;
         let mut publisher = Self::new(&connection, settings.message_bus.exchange.clone())
             .await?
             .with_confirm_timeout(settings.message_bus.confirm_timeout);
+        publisher.max_message_size = settings.message_bus.max_message_size;
         publisher.redial = Some(Arc::new(Redial {
             settings: settings.clone(),
             name: name.to_owned(),
@@ -355,6 +390,19 @@ impl AmqpPublisher {
         self
     }
 
+    /// The largest body it sends as an outbox [`Sink`](crate::Sink).
+    pub(crate) fn max_message_size(&self) -> usize {
+        self.max_message_size
+    }
+
+    /// Why a message with `properties` would not fit one frame of this
+    /// publisher's connection (see [`crate::limits::check_properties`]),
+    /// if it would not.
+    pub async fn check_fits(&self, properties: &BasicProperties) -> std::result::Result<(), String> {
+        let frame_max = self.link.lock().await.connection.configuration().frame_max();
+        crate::limits::check_properties(properties, frame_max)
+    }
+
     /// Declares `exchange` (durable, of type topic) unless it is the default
     /// exchange `""`. An exchange that exists with another type is an
     /// [`Error::Exchange`] naming it.
@@ -366,7 +414,7 @@ impl AmqpPublisher {
             durable: true,
             ..ExchangeDeclareOptions::default()
         };
-        let channel = self.live_channel().await?;
+        let Publishing { channel, .. } = self.live_channel().await?;
         channel
             .exchange_declare(
                 self.exchange.as_str().into(),
@@ -436,10 +484,8 @@ impl AmqpPublisher {
         properties: BasicProperties,
         body: &[u8],
     ) -> Result<()> {
-        let message_id = properties
-            .message_id()
-            .as_ref()
-            .map_or_else(|| "none".to_owned(), |id| id.as_str().to_owned());
+        let id = properties.message_id().as_ref().map(|id| id.as_str().to_owned());
+        let message_id = id.clone().unwrap_or_else(|| "none".to_owned());
         let not_confirmed = |reason: String| Error::NotConfirmed {
             message_id: message_id.clone(),
             routing_key: routing_key.to_owned(),
@@ -449,53 +495,76 @@ impl AmqpPublisher {
             mandatory: true, // an unroutable message comes back instead of vanishing
             ..BasicPublishOptions::default()
         };
-        let channel = self.live_channel().await?;
+        let Publishing {
+            channel,
+            confirms,
+            connection,
+        } = self.live_channel().await?;
+        if !unblocked_within(&connection, self.confirm_timeout).await {
+            // Sent now, it would wait in the client past its confirm
+            // timeout, and go out with every copy a caller tried again.
+            return Err(Error::Blocked {
+                message_id,
+                routing_key: routing_key.to_owned(),
+            });
+        }
+        // Past a frame, the broker would close the whole connection,
+        // failing every publish and ack in flight on it.
+        let frame_max = connection.configuration().frame_max();
+        crate::limits::check_properties(&properties, frame_max).map_err(|reason| Error::Unpublishable {
+            message_id: message_id.clone(),
+            routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
+            reason,
+        })?;
         let confirmed = async {
-            channel
+            let confirm = channel
                 .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
-                .await?
-                .await
+                .await?;
+            confirms.wait(id, confirm).await
         };
-        let confirmation = match tokio::time::timeout(self.confirm_timeout, confirmed).await {
-            Ok(confirmation) => confirmation?,
-            Err(_) => {
-                return Err(Error::NoConfirm {
-                    message_id,
-                    routing_key: routing_key.to_owned(),
-                    waited: self.confirm_timeout,
-                });
+        let mut confirmed = std::pin::pin!(confirmed);
+        let confirmed = loop {
+            match tokio::time::timeout(self.confirm_timeout, &mut confirmed).await {
+                Ok(confirmed) => break confirmed?,
+                // Blocked after it was written: it waits in the client (or
+                // the broker) and goes out when the alarm lifts. Given up
+                // now, it would be sent again beside itself.
+                Err(_) if connection.status().blocked() => {
+                    tracing::debug!(%message_id, "the broker blocked the connection; waiting for the confirm");
+                }
+                Err(_) => {
+                    return Err(Error::NoConfirm {
+                        message_id,
+                        routing_key: routing_key.to_owned(),
+                        waited: self.confirm_timeout,
+                    });
+                }
             }
         };
-        if !confirmation.is_ack() {
-            return Err(not_confirmed("the broker nacked it".into()));
+        match confirmed {
+            Confirmed::Acked => Ok(()),
+            Confirmed::Nacked => Err(not_confirmed("the broker nacked it".into())),
+            Confirmed::Returned(reply) => Err(not_confirmed(format!("unroutable: {reply}"))),
         }
-        if let Some(returned) = confirmation.take_message() {
-            return Err(not_confirmed(format!(
-                "unroutable: {}",
-                returned.reply_text.as_str()
-            )));
-        }
-        Ok(())
     }
 
     /// The channel to publish on: the current one; a fresh one if the
     /// broker closed it (a channel error); on a fresh connection if this
-    /// publisher owns its connection and it is lost for good. While lapin
-    /// recovers a lost connection, the current channel is kept: it comes
-    /// back with it.
-    async fn live_channel(&self) -> Result<Channel> {
+    /// publisher owns its connection and it is lost.
+    async fn live_channel(&self) -> Result<Publishing> {
         let mut link = self.link.lock().await;
         if let Some(redial) = &self.redial
             && link.given_up(redial.settings.message_bus.connect_timeout)
         {
             tracing::warn!(connection = %redial.name, "the publishing connection is lost; connecting again");
             let connection = connect(&redial.settings, &redial.name).await?;
-            let channel = confirming_channel(&connection).await?;
+            let (channel, confirms) = confirming_channel(&connection).await?;
             let old = std::mem::replace(
                 &mut *link,
                 PublishLink {
                     connection,
                     channel,
+                    confirms,
                     down_since: None,
                 },
             );
@@ -506,9 +575,13 @@ impl AmqpPublisher {
         let status = link.channel.status();
         if !status.connected() && !status.reconnecting() && link.connection.status().connected() {
             tracing::info!(exchange = %self.exchange, "the publishing channel was closed by the broker; opening another");
-            link.channel = confirming_channel(&link.connection).await?;
+            (link.channel, link.confirms) = confirming_channel(&link.connection).await?;
         }
-        Ok(link.channel.clone())
+        Ok(Publishing {
+            channel: link.channel.clone(),
+            confirms: link.confirms.clone(),
+            connection: Arc::clone(&link.connection),
+        })
     }
 
     /// A new channel on this publisher's connection, for declaring the
@@ -531,8 +604,8 @@ impl AmqpPublisher {
 }
 
 impl PublishLink {
-    /// Whether the connection is lost for good: closed, or still
-    /// recovering after `patience`.
+    /// Whether the connection is lost: closed or failed, or still opening
+    /// after `patience`.
     fn given_up(&mut self, patience: Duration) -> bool {
         let status = self.connection.status();
         if status.connected() {
@@ -549,10 +622,10 @@ impl PublishLink {
     }
 }
 
-async fn confirming_channel(connection: &Connection) -> Result<Channel> {
+async fn confirming_channel(connection: &Connection) -> Result<(Channel, Confirms)> {
     let channel = connection.create_channel().await?;
     channel.confirm_select(ConfirmSelectOptions::default()).await?;
-    Ok(channel)
+    Ok((channel, Confirms::start()))
 }
 
 /// Where [`replay`] takes messages from.
@@ -647,14 +720,14 @@ pub async fn replay(
     Ok(report)
 }
 
-/// `properties` less the headers named in `removed` and the broker's
-/// delivery count, which belongs to the queue that counted it.
+/// `properties` less the headers named in `removed` and those the broker
+/// owns ([`fault::headers::BROKER_OWNED`]).
 fn without_headers(properties: BasicProperties, removed: &[&str]) -> BasicProperties {
     let Some(headers) = properties.headers() else {
         return properties;
     };
     let mut removed = removed.to_vec();
-    removed.push(fault::headers::DELIVERY_COUNT);
+    removed.extend(fault::headers::BROKER_OWNED);
     let kept = fault::without(headers, &removed);
     properties.with_headers(kept)
 }

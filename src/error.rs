@@ -102,6 +102,32 @@ pub enum Error {
         reason: String,
     },
 
+    /// A message the broker would never take (a name past 255 bytes,
+    /// properties past a frame, a body past `message_bus.max_message_size`):
+    /// refused before it was sent, since sending it would fail others too.
+    #[error("message {message_id} for `{routing_key}` cannot be published: {reason}")]
+    Unpublishable {
+        /// The message's id.
+        message_id: String,
+        /// Where it was to go (cut to 64 bytes).
+        routing_key: String,
+        /// The limit it breaks.
+        reason: String,
+    },
+
+    /// The broker blocked the connection (a memory or disk alarm): nothing
+    /// is published until it lifts, so that no copy waits in the client to
+    /// go out with the others once it does.
+    #[error(
+        "message {message_id} for `{routing_key}` not sent: the broker blocked the connection (a resource alarm)"
+    )]
+    Blocked {
+        /// The message's id.
+        message_id: String,
+        /// Where it was to go.
+        routing_key: String,
+    },
+
     /// The broker did not confirm a publish in time: a resource alarm, a
     /// node that went, or a network that answers nothing. Whether the
     /// broker took the message is unknown.
@@ -272,7 +298,7 @@ impl Error {
         use lapin::ErrorKind;
         match self {
             Error::Unreachable { service, .. } => *service == "broker",
-            Error::NoConfirm { .. } => true,
+            Error::NoConfirm { .. } | Error::Blocked { .. } => true,
             Error::Broker(error) => match error.kind() {
                 ErrorKind::IOError(_)
                 | ErrorKind::RuntimeShutdownError(_)
@@ -280,11 +306,35 @@ impl Error {
                 | ErrorKind::MissingHeartbeatError
                 // lapin is recovering the connection under the channel.
                 | ErrorKind::InvalidChannelState(lapin::ChannelState::Reconnecting, _) => true,
+                // A connection-level error, unless one message caused it:
+                // that is the message's failure, not an outage.
                 ErrorKind::ProtocolError(amqp) => {
-                    matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_))
+                    matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_)) && !caused_by_a_message(amqp)
                 }
                 _ => false,
             },
+            _ => false,
+        }
+    }
+
+    /// Whether the broker closed the publishing channel over a publish (an
+    /// exchange that does not exist, a body past its `max_message_size`),
+    /// or the connection over a malformed frame. Every publish in flight on
+    /// that channel fails with the same error, so it does not say which of
+    /// them caused it: only one sent alone does.
+    pub fn is_channel_closed_by_broker(&self) -> bool {
+        use lapin::ErrorKind;
+        let Error::Broker(error) = self else {
+            return false;
+        };
+        match error.kind() {
+            ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+                lapin::protocol::AMQPErrorKind::Soft(_) => true,
+                lapin::protocol::AMQPErrorKind::Hard(_) => caused_by_a_message(amqp),
+            },
+            ErrorKind::InvalidChannelState(lapin::ChannelState::Closed | lapin::ChannelState::Error, _) => {
+                true
+            }
             _ => false,
         }
     }
@@ -295,6 +345,21 @@ impl Error {
             reason: reason.into(),
         }
     }
+}
+
+/// Whether a connection-level AMQP error answers what one message carried
+/// (a frame the broker could not read), rather than the broker's state.
+fn caused_by_a_message(error: &lapin::protocol::AMQPError) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError};
+    matches!(
+        error.kind(),
+        AMQPErrorKind::Hard(
+            AMQPHardError::FRAMEERROR
+                | AMQPHardError::SYNTAXERROR
+                | AMQPHardError::COMMANDINVALID
+                | AMQPHardError::UNEXPECTEDFRAME
+        )
+    )
 }
 
 #[cfg(test)]

@@ -36,10 +36,35 @@ pub mod headers {
         SOURCE_QUEUE,
     ];
 
+    /// Set on a copy (in a retry tier, `Q.error`, `Q.skipped`) whose
+    /// incoming headers were dropped because, with the fault headers, they
+    /// would not fit one AMQP frame: how many, and how large. Kept by a
+    /// replay: the headers are gone for good.
+    pub const DROPPED_HEADERS: &str = "x-inbox-dropped-headers";
+
     /// The broker's count of a quorum queue's deliveries of the message. It
     /// belongs to the queue that delivered it, so a copy published
     /// elsewhere (a move, a replay) goes without it.
     pub const DELIVERY_COUNT: &str = "x-delivery-count";
+
+    /// The headers the broker writes about a message's path through its
+    /// queues: the delivery count, and the dead-lettering history. A copy
+    /// the runtime publishes (a move, a replay) goes without them: they
+    /// describe the original's path, the runtime counts nothing from them,
+    /// and a client-set `x-death` that is not what the broker writes stalls
+    /// RabbitMQ 3.x's at-least-once dead-lettering of the whole queue it
+    /// sits in ("Cannot forward any dead-letter messages"; 4.x ignores a
+    /// client's `x-death`).
+    pub const BROKER_OWNED: [&str; 8] = [
+        DELIVERY_COUNT,
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    ];
 }
 
 /// The longest `x-inbox-reason` the runtime writes, in bytes. A reason can
@@ -142,7 +167,7 @@ impl Fault<'_> {
     pub fn stamp(&self, headers: &mut FieldTable) {
         let now = now();
         let text = |s: &str, max| AMQPValue::LongString(LongString::from(truncate(s, max).as_ref()));
-        *headers = without(headers, &[headers::DELIVERY_COUNT]);
+        *headers = without(headers, &headers::BROKER_OWNED);
         headers.insert(headers::REASON.into(), text(self.reason, MAX_REASON_BYTES));
         headers.insert(headers::HANDLER.into(), text(self.handler, MAX_VALUE_BYTES));
         headers.insert(

@@ -18,7 +18,10 @@
 //! - [`create_pool`] and [`wait_for_database`]: the inbox's pool, and the
 //!   start's bounded wait for the database.
 //! - [`run_migrations`]: creates `inbox_messages` and `outbox_messages`,
-//!   inbox on or off.
+//!   inbox on or off; [`migrate`] runs a service's own [`Migration`]s
+//!   after them, under the same advisory lock.
+//! - [`limits`]: what the broker takes (names, properties as encoded, body
+//!   size), checked before anything is published.
 //! - [`dispatch`]: one round of the outbox: publishes the committed rows
 //!   [`UnitOfWork::publish`] staged, with confirms, then deletes them.
 //! - [`sweep`]: deletes inbox rows past `retention.days`, in batches, one
@@ -35,6 +38,7 @@
 //!   failure).
 
 mod backoff;
+mod confirms;
 mod context;
 mod db;
 mod envelope;
@@ -42,6 +46,7 @@ mod error;
 mod event;
 pub mod fault;
 mod handler;
+pub mod limits;
 mod migrations;
 mod names;
 pub mod outbox;
@@ -62,7 +67,7 @@ pub use envelope::{DecodeError, DeliveryLabel, Envelope};
 pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
-pub use migrations::run_migrations;
+pub use migrations::{Migration, migrate, run_migrations};
 pub use outbox::{DispatchReport, Outgoing, Sink, dispatch, drain};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};

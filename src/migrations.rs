@@ -5,7 +5,7 @@
 //! history table has a name of its own, so it cannot collide with the
 //! service's own migration tool.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Versioned SQL, applied in order, each once.
 const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -44,42 +44,163 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).
 const LOCK_KEY: i64 = 0x0069_6e62_6f78;
 
-/// Brings the schema up to date on `client`'s database. Runs whether or not
-/// the inbox is enabled: turning it on later is a settings change and a
-/// restart, no schema work.
+/// One step of a service's own schema, for `inbox_actors::RuntimeBuilder::migrations`
+/// or [`migrate`]: applied once, in version order, under the same advisory
+/// lock and in the same transaction as the inbox's own migrations.
+///
+/// Why not `CREATE TABLE IF NOT EXISTS` at start: two replicas starting
+/// together on a fresh database both try to create the table, and one
+/// fails (`duplicate key value violates unique constraint
+/// "pg_type_typname_nsp_index"`): PostgreSQL does not make concurrent
+/// `IF NOT EXISTS` safe. Under the lock, the second waits for the first and
+/// then finds the version applied.
+///
+/// ```
+/// use inbox::Migration;
+///
+/// const SCHEMA: &[Migration] = &[
+///     Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)"),
+///     Migration::new(2, "orders_total", "ALTER TABLE orders ADD COLUMN total bigint"),
+/// ];
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migration {
+    /// Its version: positive, unique, and higher than the one before it.
+    /// A version once applied is never applied again.
+    pub version: i32,
+    /// A name, recorded with the version (a version applied under another
+    /// name is an error: versions must not be reused).
+    pub name: &'static str,
+    /// The SQL, one or more statements.
+    pub sql: &'static str,
+}
+
+impl Migration {
+    /// A migration: `version`, `name`, `sql`.
+    pub const fn new(version: i32, name: &'static str, sql: &'static str) -> Self {
+        Self { version, name, sql }
+    }
+}
+
+/// Brings the inbox's schema up to date on `client`'s database. Runs whether
+/// or not the inbox is enabled: turning it on later is a settings change
+/// and a restart, no schema work.
 pub async fn run_migrations(client: &mut tokio_postgres::Client) -> Result<()> {
+    migrate(client, true, &[]).await
+}
+
+/// Brings the schema up to date on `client`'s database, in one transaction
+/// holding the inbox's advisory lock, so that instances starting together
+/// take turns: the inbox's own migrations if `inbox_tables`, then the
+/// service's `service` ones (recorded in `inbox_service_migrations`).
+pub async fn migrate(
+    client: &mut tokio_postgres::Client,
+    inbox_tables: bool,
+    service: &[Migration],
+) -> Result<()> {
+    check_order(service)?;
     let tx = client.transaction().await?;
     // Wait as long as another instance takes to migrate: the pool's
     // connections carry database.lock_timeout, meant for messages.
     tx.batch_execute("SET LOCAL lock_timeout = 0").await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await?;
-    tx.batch_execute(
-        "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
-             version    integer     PRIMARY KEY,
-             name       text        NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now()
-         )",
-    )
-    .await?;
-    let applied: Vec<i32> = tx
-        .query("SELECT version FROM inbox_schema_migrations", &[])
-        .await?
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    for (version, name, sql) in MIGRATIONS {
-        if applied.contains(version) {
-            continue;
-        }
-        tx.batch_execute(sql).await?;
-        tx.execute(
-            "INSERT INTO inbox_schema_migrations (version, name) VALUES ($1, $2)",
-            &[version, name],
-        )
-        .await?;
-        tracing::info!(version, name, "applied inbox migration");
+    if inbox_tables {
+        let inbox: Vec<Migration> = MIGRATIONS
+            .iter()
+            .map(|&(version, name, sql)| Migration { version, name, sql })
+            .collect();
+        apply(&tx, "inbox_schema_migrations", "inbox", &inbox).await?;
+    }
+    if !service.is_empty() {
+        apply(&tx, "inbox_service_migrations", "service", service).await?;
     }
     tx.commit().await?;
     Ok(())
+}
+
+/// Versions must rise: a list out of order is a mistake to report, not to
+/// sort silently.
+fn check_order(migrations: &[Migration]) -> Result<()> {
+    for pair in migrations.windows(2) {
+        if pair[0].version >= pair[1].version {
+            return Err(Error::Runtime(format!(
+                "service migrations must be in rising version order: {} (`{}`) comes before {} (`{}`)",
+                pair[0].version, pair[0].name, pair[1].version, pair[1].name
+            )));
+        }
+    }
+    match migrations.first() {
+        Some(first) if first.version < 1 => Err(Error::Runtime(format!(
+            "service migration `{}` has version {}; versions start at 1",
+            first.name, first.version
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Applies those of `migrations` that `history` does not list, and lists
+/// them there.
+async fn apply(
+    tx: &tokio_postgres::Transaction<'_>,
+    history: &str,
+    whose: &str,
+    migrations: &[Migration],
+) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {history} (
+             version    integer     PRIMARY KEY,
+             name       text        NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )"
+    ))
+    .await?;
+    let mut applied = std::collections::HashMap::new();
+    for row in tx
+        .query(&format!("SELECT version, name FROM {history}"), &[])
+        .await?
+    {
+        applied.insert(row.try_get::<_, i32>(0)?, row.try_get::<_, String>(1)?);
+    }
+    for migration in migrations {
+        match applied.get(&migration.version) {
+            Some(name) if name == migration.name => continue,
+            Some(name) => {
+                return Err(Error::Runtime(format!(
+                    "{whose} migration {} is named `{}`, but version {} was applied as `{name}` ({history}): \
+                     a version must never be reused",
+                    migration.version, migration.name, migration.version
+                )));
+            }
+            None => {}
+        }
+        tx.batch_execute(migration.sql).await?;
+        tx.execute(
+            &format!("INSERT INTO {history} (version, name) VALUES ($1, $2)"),
+            &[&migration.version, &migration.name],
+        )
+        .await?;
+        tracing::info!(
+            version = migration.version,
+            name = migration.name,
+            "applied {whose} migration"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_migrations_must_rise_from_one() {
+        let one = Migration::new(1, "a", "SELECT 1");
+        let two = Migration::new(2, "b", "SELECT 1");
+        assert!(check_order(&[]).is_ok());
+        assert!(check_order(&[one, two]).is_ok());
+        let error = check_order(&[two, one]).unwrap_err().to_string();
+        assert!(error.contains("rising version order"), "{error}");
+        assert!(check_order(&[Migration::new(0, "zero", "SELECT 1")]).is_err());
+    }
 }

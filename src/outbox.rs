@@ -62,9 +62,28 @@ impl Outgoing {
         table
     }
 
-    /// Its AMQP properties: id, type, JSON, persistent, headers.
+    /// Its AMQP properties: id, type, JSON, persistent, headers. Only for
+    /// a message that passed [`check`](Self::check): a name past 255 bytes
+    /// panics in the client.
     pub fn properties(&self) -> BasicProperties {
         crate::amqp::message_properties(self.message_id, &self.message_type).with_headers(self.amqp_headers())
+    }
+
+    /// Why the broker would not take it, if it would not: a name (exchange,
+    /// routing key, type, a header's key) past 255 bytes, properties past
+    /// [`MAX_PROPERTIES_BYTES`](crate::limits::MAX_PROPERTIES_BYTES)
+    /// encoded, or a body past `max_body` bytes. Checked at staging, and
+    /// again at dispatch, since a row may come from any process.
+    pub fn check(&self, max_body: usize) -> std::result::Result<(), String> {
+        use crate::limits::{check_body, check_name, check_properties};
+        check_name("exchange", &self.exchange)?;
+        check_name("routing key", &self.routing_key)?;
+        check_name("type", &self.message_type)?;
+        for (key, _) in &self.headers {
+            check_name("header key", key)?;
+        }
+        check_properties(&self.properties(), 0)?;
+        check_body(self.body.len(), max_body)
     }
 }
 
@@ -175,34 +194,15 @@ pub trait Sink: Send + Sync + 'static {
     fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>>;
 }
 
-/// The most header bytes (keys and values) a dispatched row may carry.
-/// Its headers travel in one AMQP frame, and a frame past the broker's
-/// `frame_max` (128 KiB by default) closes the whole connection, failing
-/// every other publish in flight on it, round after round: half of it, for
-/// the other properties and a broker configured lower.
-pub const MAX_HEADER_BYTES: usize = 64 * 1024;
-
 impl Sink for AmqpPublisher {
     fn send<'a>(&'a self, outgoing: &'a Outgoing) -> BoxFuture<'a, Result<()>> {
-        // A row can come from any process. AMQP names hold 255 bytes, and
-        // a longer one would panic in the client, round after round; and
-        // headers past a frame would take the connection down.
-        let too_long = [&outgoing.exchange, &outgoing.routing_key, &outgoing.message_type]
-            .into_iter()
-            .find(|name| name.len() > 255);
-        let header_bytes: usize = outgoing.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-        let refused = match too_long {
-            Some(name) => Some(format!(
-                "`{}…` is longer than the 255 bytes AMQP allows",
-                crate::fault::truncate(name, 64)
-            )),
-            None if header_bytes > MAX_HEADER_BYTES => Some(format!(
-                "its headers are {header_bytes} bytes; at most {MAX_HEADER_BYTES} go out"
-            )),
-            None => None,
-        };
-        if let Some(reason) = refused {
-            return Box::pin(std::future::ready(Err(crate::Error::NotConfirmed {
+        // A row can come from any process, and one the broker cannot take
+        // must fail alone: a name past 255 bytes would panic in the client,
+        // round after round; headers past a frame would take the whole
+        // connection down, and a body past the broker's limit the channel,
+        // with every other publish in flight on them.
+        if let Err(reason) = outgoing.check(self.max_message_size()) {
+            return Box::pin(std::future::ready(Err(crate::Error::Unpublishable {
                 message_id: outgoing.message_id.to_string(),
                 routing_key: crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),
                 reason,
@@ -406,8 +406,28 @@ impl Round {
 
     /// Hands every row to `sink` in staging order; the confirms are awaited
     /// together.
+    ///
+    /// A row the broker refuses by closing the channel (an exchange that
+    /// does not exist, a body past its `max_message_size`) fails every
+    /// other publish in flight on that channel with the same error. So when
+    /// several rows failed so, each goes again alone, one after the other:
+    /// only the one that fails alone is charged an attempt, and the others
+    /// leave now (again, for those whose confirm the close cut off: the
+    /// same `message_id`, which the receiving inbox skips).
     async fn publish(&self, sink: &dyn Sink) -> Vec<Result<()>> {
-        join_all(self.outgoing.iter().map(|message| sink.send(message))).await
+        let mut results = join_all(self.outgoing.iter().map(|message| sink.send(message))).await;
+        let closed = |result: &Result<()>| matches!(result, Err(e) if e.is_channel_closed_by_broker() && !e.is_broker_unavailable());
+        if results.iter().filter(|result| closed(result)).count() > 1 {
+            tracing::debug!(
+                "the broker closed the outbox channel over one publish; sending its rows one at a time"
+            );
+            for (message, result) in self.outgoing.iter().zip(&mut results) {
+                if closed(result) {
+                    *result = sink.send(message).await;
+                }
+            }
+        }
+        results
     }
 
     /// Deletes the confirmed rows, reschedules or parks the others, and
@@ -439,7 +459,8 @@ impl Round {
             // as none.
             let attempts = attempts.max(0).saturating_add(1);
             let tries = u32::try_from(attempts).unwrap_or(u32::MAX);
-            let dead = tries >= settings.max_attempts;
+            // One the broker will never take is parked at once.
+            let dead = tries >= settings.max_attempts || matches!(error, crate::Error::Unpublishable { .. });
             let pause = Backoff::nth(settings.retry_backoff, tries - 1, settings.max_retry_backoff);
             let reason =
                 crate::fault::truncate(&crate::describe(&error), crate::fault::MAX_REASON_BYTES).into_owned();

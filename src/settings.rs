@@ -90,6 +90,11 @@ pub struct MessageBusSettings {
     /// (to be tried again later), and a publish from code fails. Default `30s`.
     #[serde(with = "humantime_serde")]
     pub confirm_timeout: Duration,
+    /// `max_message_size`: the largest body, in bytes, that a unit of work
+    /// may stage and the outbox sends: the broker closes the channel on a
+    /// larger one. Set it to the broker's own `max_message_size`. Default
+    /// 16 MiB (RabbitMQ 4's default).
+    pub max_message_size: usize,
 }
 
 impl Default for MessageBusSettings {
@@ -103,6 +108,7 @@ impl Default for MessageBusSettings {
             enable_outbox: None,
             connect_timeout: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(30),
+            max_message_size: crate::limits::DEFAULT_MAX_MESSAGE_SIZE,
         }
     }
 }
@@ -121,6 +127,7 @@ impl std::fmt::Debug for MessageBusSettings {
             .field("enable_outbox", &self.enable_outbox)
             .field("connect_timeout", &self.connect_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("max_message_size", &self.max_message_size)
             .finish()
     }
 }
@@ -743,6 +750,13 @@ impl MessageBusSettings {
             return Err(Error::setting(
                 "message_bus.exchange",
                 "is longer than the 255 bytes AMQP allows",
+            ));
+        }
+        // RabbitMQ's own ceiling for max_message_size is 512 MiB.
+        if !(1..=512 * 1024 * 1024).contains(&self.max_message_size) {
+            return Err(Error::setting(
+                "message_bus.max_message_size",
+                "must be from 1 to 536870912 bytes (RabbitMQ's largest)",
             ));
         }
         bounded(self.connect_timeout, "message_bus.connect_timeout")?;

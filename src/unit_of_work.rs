@@ -88,6 +88,8 @@ const COMMIT: &str = "SELECT 1; COMMIT";
 pub struct Outbox {
     /// `message_bus.exchange`; shared, since every unit of work gets a copy.
     pub exchange: std::sync::Arc<str>,
+    /// `message_bus.max_message_size`: the largest body staged.
+    pub max_message_size: usize,
     /// Notified after a commit that staged messages.
     pub wake: std::sync::Arc<tokio::sync::Notify>,
     /// `None`: staged as rows of `outbox_messages`. `Some`: held in memory
@@ -293,13 +295,6 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        if routing_key.len() > 255 {
-            return Err(Error::Runtime(format!(
-                "cannot publish message {}: its routing key is {} bytes, and AMQP allows 255",
-                message.id,
-                routing_key.len()
-            )));
-        }
         let Some(outbox) = &self.outbox else {
             return Err(Error::Runtime(format!(
                 "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
@@ -315,6 +310,15 @@ impl UnitOfWork {
             headers,
             body: message.to_json()?,
         };
+        // Refused here, in the caller's transaction, rather than parked
+        // after the commit: the broker would never take it.
+        if let Err(reason) = outgoing.check(outbox.max_message_size) {
+            return Err(Error::Unpublishable {
+                message_id: message.id.to_string(),
+                routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
+                reason,
+            });
+        }
         self.held.push(outgoing);
         Ok(())
     }

@@ -15,7 +15,7 @@ use inbox::{Abandoned, Claim, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 
 use crate::dedup::{DeliverBatch, Route, Work, give_up, key};
-use crate::handler::{Handle, HandleBatch, Handled};
+use crate::handler::Handled;
 use crate::stats::Counter;
 
 /// How the attempt on a whole batch ended.
@@ -165,7 +165,7 @@ impl Work {
             let saved = uow
                 .savepoint()
                 .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-            let failure = match route.one.send(Handle { envelope, uow: saved }).await {
+            let failure = match crate::handler::handle(&route.one, envelope, saved).await {
                 Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
                         outcomes[i] = Some(Outcome::Completed);
@@ -233,14 +233,7 @@ impl Work {
                 Err(abandoned) => return WholeBatch::Lost(abandoned),
             };
             let size = group.len();
-            match route
-                .batch
-                .send(HandleBatch {
-                    envelopes: group,
-                    uow,
-                })
-                .await
-            {
+            match crate::handler::handle_batch(&route.batch, group, uow).await {
                 Ok(Handled::Done(done)) => uow = done,
                 Ok(Handled::Failed {
                     uow: Some(failed),

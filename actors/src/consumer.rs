@@ -31,16 +31,18 @@
 //! messages in flight and closes its connection; and [`Disconnect`] when
 //! the shutdown timeout is up: closes it at once.
 //!
-//! The queue has a connection of its own ([`Link`]).
-//! lapin's recovery replays it after a network fault or a broker restart;
-//! if the consumer ends all the same (recovery gave up, the queue was
-//! deleted), the broker closes its channel (a delivery unacked past
-//! RabbitMQ's `consumer_timeout`), or the connection stays down past
-//! `message_bus.connect_timeout` (a watchdog: lapin's recovery has no
-//! bound), the actor reconnects with a growing pause, declares the
-//! topology again and consumes anew. Deliveries of the lost channel that
-//! wait in the batch buffer are dropped (the broker redelivers them), and
-//! every delivery settles on its own channel's window only.
+//! The queue has a connection of its own ([`Link`]), and this actor is the
+//! one owner of its reconnection (lapin's own recovery is off: with both,
+//! a connection lapin recovered behind a new one would consume deliveries
+//! nobody settles). When the connection fails or closes (a network fault,
+//! a broker restart), the consumer ends (the queue was deleted, the broker
+//! cancelled it), the broker closes its channel (a delivery unacked past
+//! RabbitMQ's `consumer_timeout`), or a handshake hangs past
+//! `message_bus.connect_timeout` (a watchdog), the actor reconnects with a
+//! growing pause, declares the topology again and consumes anew. Deliveries
+//! of the lost channel that wait in the batch buffer are dropped (the broker
+//! redelivers them), and every delivery settles on its own channel's window
+//! only.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,7 +98,7 @@ pub(crate) struct ConsumerActor {
     link: u64,
     /// A new link is being opened.
     reconnecting: bool,
-    /// Since when the connection has been down (lapin recovering it), as
+    /// Since when the connection has been down (a handshake under way), as
     /// last seen by the watchdog.
     down_since: Option<Instant>,
     in_flight: usize,
@@ -325,8 +327,8 @@ impl ConsumerActor {
     /// The current link's consumer stream ended.
     fn on_stream_end(&mut self, ctx: &mut Context<Self>) {
         if !self.draining {
-            // lapin's own recovery gave up, or the broker cancelled the
-            // consumer (the queue was deleted): start over.
+            // The connection was lost, or the broker cancelled the
+            // consumer (the queue was deleted, a node went): start over.
             tracing::warn!(queue = %self.queue.name, "the broker ended the consumer; reconnecting");
             self.reconnect(ctx);
             return;
@@ -339,11 +341,10 @@ impl ConsumerActor {
         }
     }
 
-    /// A while after a stream error on `link`: lapin recovers what a lost
-    /// connection takes down, but not a channel the broker closed by itself
-    /// (a delivery unacked past its `consumer_timeout`, an unknown delivery
-    /// tag). Then the consumer is gone for good and its stream never ends,
-    /// so start over.
+    /// A while after a stream error on `link`: a channel the broker closed
+    /// by itself (a delivery unacked past its `consumer_timeout`, an unknown
+    /// delivery tag) leaves a consumer gone for good whose stream may never
+    /// end, so start over.
     fn check_channel(&mut self, link: u64, ctx: &mut Context<Self>) {
         let status = self.channel.status();
         if link == self.link && !self.draining && !status.connected() && !status.reconnecting() {
@@ -352,11 +353,11 @@ impl ConsumerActor {
         }
     }
 
-    /// The watchdog: lapin's recovery has no bound of its own, and a
-    /// handshake with a broker whose packets vanish waits forever, with
-    /// neither an error nor an end on the consumer stream. A connection down
-    /// for longer than `message_bus.connect_timeout` is given up, and the
-    /// actor reconnects itself.
+    /// The watchdog: a connection that closed or failed without its stream
+    /// saying so is replaced at once; and a handshake with a broker whose
+    /// packets vanish waits forever, with neither an error nor an end on the
+    /// consumer stream, so a connection down for longer than
+    /// `message_bus.connect_timeout` is given up too.
     fn watch_connection(&mut self, ctx: &mut Context<Self>) {
         self.set_connected(
             !self.draining
@@ -366,6 +367,13 @@ impl ConsumerActor {
         );
         if self.draining || self.reconnecting || self.connection.status().connected() {
             self.down_since = None;
+            return;
+        }
+        let status = self.connection.status();
+        if status.closed() || status.errored() {
+            tracing::warn!(queue = %self.queue.name, broker = %self.settings.broker_endpoint(), "the broker connection is lost; reconnecting");
+            self.down_since = None;
+            self.reconnect(ctx);
             return;
         }
         let since = *self.down_since.get_or_insert_with(Instant::now);

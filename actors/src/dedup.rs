@@ -278,7 +278,7 @@ impl Work {
             }
             Err(e) => return Outcome::Abandoned(give_up(uow, Stage::InboxClaim, &e).await),
         }
-        match route.one.send(Handle { envelope, uow }).await {
+        match crate::handler::handle(&route.one, envelope, uow).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     return Outcome::Abandoned(give_up(uow, Stage::InboxRecord, &e).await);

@@ -24,25 +24,74 @@ use inbox::{DynEventHandler, Envelope, IntegrationEvent, MessageContext, Permane
 use metrics::Histogram;
 use tracing::Instrument;
 
-/// Run the handlers for one message inside its unit of work.
+/// Run the handlers for one message inside its unit of work. Sent with
+/// [`handle`].
 #[derive(Message)]
 #[rtype(result = "Handled")]
 pub(crate) struct Handle {
     /// The message.
-    pub(crate) envelope: Arc<Envelope>,
+    envelope: Arc<Envelope>,
     /// Its open transaction, with the inbox row claimed.
-    pub(crate) uow: UnitOfWork,
+    uow: UnitOfWork,
+    /// Resolves when whoever waits for the reply gave up.
+    abandoned: Abandonment,
 }
 
 /// Run the handlers for several messages of one type inside one unit of
 /// work, through [`EventHandler::handle_batch`](inbox::EventHandler::handle_batch).
+/// Sent with [`handle_batch`].
 #[derive(Message)]
 #[rtype(result = "Handled")]
 pub(crate) struct HandleBatch {
     /// The messages, in delivery order.
-    pub(crate) envelopes: Vec<Arc<Envelope>>,
+    envelopes: Vec<Arc<Envelope>>,
     /// Their open transaction, with their inbox rows claimed.
-    pub(crate) uow: UnitOfWork,
+    uow: UnitOfWork,
+    /// Resolves when whoever waits for the reply gave up.
+    abandoned: Abandonment,
+}
+
+/// Resolves when the sender of a [`Handle`] or [`HandleBatch`] stops
+/// waiting for the reply: its unit of work passed
+/// `database.transaction_timeout` and was abandoned. The handlers are then
+/// cancelled, and their unit of work dropped with its connection. Without
+/// it a handler stuck on a dead peer would keep its pooled connection until
+/// it returned, one more per attempt, until the pool was empty and every
+/// message held as if the database were down.
+type Abandonment = tokio::sync::oneshot::Receiver<()>;
+
+/// Runs the handlers for one message on `route`; dropped before the reply
+/// (a timeout), it cancels them.
+pub(crate) async fn handle(
+    route: &Recipient<Handle>,
+    envelope: Arc<Envelope>,
+    uow: UnitOfWork,
+) -> Result<Handled, MailboxError> {
+    // Dropped with this future, whether it completes or is cancelled.
+    let (_waiting, abandoned) = tokio::sync::oneshot::channel();
+    route
+        .send(Handle {
+            envelope,
+            uow,
+            abandoned,
+        })
+        .await
+}
+
+/// [`handle`] for a batch's messages of one type.
+pub(crate) async fn handle_batch(
+    route: &Recipient<HandleBatch>,
+    envelopes: Vec<Arc<Envelope>>,
+    uow: UnitOfWork,
+) -> Result<Handled, MailboxError> {
+    let (_waiting, abandoned) = tokio::sync::oneshot::channel();
+    route
+        .send(HandleBatch {
+            envelopes,
+            uow,
+            abandoned,
+        })
+        .await
 }
 
 /// The reply to [`Handle`] and [`HandleBatch`].
@@ -158,7 +207,8 @@ impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
         let myself = ctx.address();
         let span = msg.envelope.span.clone();
         let timer = HandlerTimer::start(&self.duration);
-        Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer).instrument(span))
+        let run = run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer);
+        Box::pin(unless_abandoned(run, msg.abandoned).instrument(span))
     }
 }
 
@@ -169,7 +219,8 @@ impl<E: IntegrationEvent> actix::Handler<HandleBatch> for HandlerActor<E> {
         let handlers = Arc::clone(&self.handlers);
         let myself = ctx.address();
         let timer = HandlerTimer::start(&self.duration);
-        Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself, timer))
+        let run = run_handlers(handlers, msg.envelopes, msg.uow, myself, timer);
+        Box::pin(unless_abandoned(run, msg.abandoned))
     }
 }
 
@@ -178,6 +229,31 @@ impl<E: IntegrationEvent> actix::Handler<Restart> for HandlerActor<E> {
 
     fn handle(&mut self, _: Restart, ctx: &mut Context<Self>) {
         ctx.stop();
+    }
+}
+
+/// Runs `handlers` to their end, unless `abandoned` resolves first: then
+/// they are dropped where they wait, and their unit of work with them (its
+/// connection discarded, so the server rolls back).
+async fn unless_abandoned(
+    handlers: impl std::future::Future<Output = Handled>,
+    abandoned: Abandonment,
+) -> Handled {
+    tokio::select! {
+        handled = handlers => handled,
+        _ = abandoned => {
+            tracing::warn!(
+                "the handlers did not finish within database.transaction_timeout: cancelled, their connection discarded"
+            );
+            // Nobody reads it: the sender is gone.
+            Handled::Failed {
+                uow: None,
+                failure: HandlerFailure::Failed {
+                    handler: "runtime",
+                    error: "cancelled: past database.transaction_timeout".into(),
+                },
+            }
+        }
     }
 }
 

@@ -11,8 +11,8 @@ use actix::prelude::*;
 use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
 use inbox::{
-    DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, NoopInboxStore,
-    Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
+    DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, Migration,
+    NoopInboxStore, Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
 };
 use tokio::sync::Notify;
 
@@ -35,6 +35,7 @@ pub struct RuntimeBuilder {
     settings: ValidSettings,
     routes: HashMap<&'static str, Box<dyn Registered>>,
     store: Option<Arc<dyn DynInboxStore>>,
+    migrations: Vec<Migration>,
     error: Option<Error>,
 }
 
@@ -81,6 +82,19 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The service's own schema, applied by [`build`](Self::build) after
+    /// the inbox's migrations, in the same transaction and under the same
+    /// advisory lock: replicas that start together take turns instead of
+    /// racing (concurrent `CREATE TABLE IF NOT EXISTS` fails in
+    /// PostgreSQL). Each [`Migration`] is applied once, in version order,
+    /// and recorded in `inbox_service_migrations`. Applied whatever
+    /// `database.run_migrations` says (that setting is for the inbox's
+    /// tables).
+    pub fn migrations(mut self, migrations: &[Migration]) -> Self {
+        self.migrations.extend_from_slice(migrations);
+        self
+    }
+
     /// Uses `store` instead of the one `message_bus.enable_inbox` resolves
     /// to ([`PgInboxStore`] when on, [`NoopInboxStore`] when off).
     pub fn inbox_store<S: InboxStore>(mut self, store: S) -> Self {
@@ -111,6 +125,7 @@ impl RuntimeBuilder {
             settings,
             routes,
             store,
+            migrations,
             error,
         } = self;
         if let Some(error) = error {
@@ -137,8 +152,8 @@ impl RuntimeBuilder {
             false => inbox::create_pool(&settings)?,
         };
         let mut connection = inbox::wait_for_database(&pool, &settings).await?;
-        if settings.database.run_migrations {
-            inbox::run_migrations(&mut connection).await?;
+        if settings.database.run_migrations || !migrations.is_empty() {
+            inbox::migrate(&mut connection, settings.database.run_migrations, &migrations).await?;
         }
         drop(connection);
         let inbox_on = settings.is_inbox_enabled();
@@ -188,6 +203,7 @@ impl RuntimeBuilder {
         };
         let outbox = Some(Outbox {
             exchange: settings.message_bus.exchange.as_str().into(),
+            max_message_size: settings.message_bus.max_message_size,
             wake: Arc::new(Notify::new()),
             after_commit,
         });
@@ -332,6 +348,7 @@ impl Runtime {
             settings,
             routes: HashMap::new(),
             store: None,
+            migrations: Vec::new(),
             error: None,
         }
     }

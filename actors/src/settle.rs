@@ -338,7 +338,32 @@ impl Settler {
         };
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         fault.stamp(&mut headers);
-        let properties = delivery.properties.clone().with_headers(headers);
+        let mut properties = delivery.properties.clone().with_headers(headers);
+        if let Err(too_large) = self.forwarder.check_fits(&properties).await {
+            // The headers it came with are untrusted, and with the fault
+            // headers they pass a frame: the broker would close the
+            // connection at every try, with the other messages' acks. The
+            // copy keeps its body, its other properties and the fault
+            // headers, and says what was dropped.
+            let dropped = delivery
+                .properties
+                .headers()
+                .as_ref()
+                .map_or(0, |h| h.inner().len());
+            tracing::warn!(%too_large, dropped, "the message's headers do not fit one frame with the fault headers; moving it without them");
+            let mut headers = inbox::lapin::types::FieldTable::default();
+            fault.stamp(&mut headers);
+            let note = format!("{dropped} headers dropped: {too_large}");
+            headers.insert(
+                inbox::fault::headers::DROPPED_HEADERS.into(),
+                inbox::lapin::types::AMQPValue::LongString(
+                    inbox::fault::truncate(&note, inbox::fault::MAX_REASON_BYTES)
+                        .as_ref()
+                        .into(),
+                ),
+            );
+            properties = delivery.properties.clone().with_headers(headers);
+        }
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
                 self.ack(delivery, ticket).await;

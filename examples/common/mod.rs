@@ -161,16 +161,23 @@ impl EventHandler<AttendeeCheckedIn> for CountAttendance {
     }
 }
 
-/// The service's own tables, created before anything is consumed.
+/// The service's own tables, as versioned migrations: the runtime applies
+/// them at start under the inbox's advisory lock
+/// (`RuntimeBuilder::migrations`), so that two replicas starting together
+/// on a fresh database take turns instead of racing.
+pub(crate) const SCHEMA: &[inbox::Migration] = &[inbox::Migration::new(
+    1,
+    "checkin_tables",
+    // IF NOT EXISTS for databases made before this migration existed,
+    // which have the tables and no record of it; safe under the lock.
+    "CREATE TABLE IF NOT EXISTS attendee_checkins (attendee_id bigint PRIMARY KEY, checkins bigint NOT NULL);
+     CREATE TABLE IF NOT EXISTS session_attendance (session_id bigint PRIMARY KEY, attendees bigint NOT NULL);",
+)];
+
+/// Applies [`SCHEMA`] (and the inbox's tables) where no runtime is built.
 pub(crate) async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Result<()> {
-    pool.get()
-        .await?
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS attendee_checkins (attendee_id bigint PRIMARY KEY, checkins bigint NOT NULL);
-             CREATE TABLE IF NOT EXISTS session_attendance (session_id bigint PRIMARY KEY, attendees bigint NOT NULL);",
-        )
-        .await?;
-    Ok(())
+    let mut connection = pool.get().await?;
+    inbox::migrate(&mut connection, true, SCHEMA).await
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.
@@ -210,10 +217,19 @@ pub(crate) async fn create_database(settings: &Settings, name: &str) -> inbox::R
         .await?
         .is_some();
     if !exists {
-        // Not in a transaction block: a statement of its own.
-        client
-            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
-            .await?;
+        // Not in a transaction block: a statement of its own. Another
+        // instance starting at the same time may create it first: then it
+        // exists, as wanted (42P04 duplicate_database, or 23505 from the
+        // catalog's unique index when both inserted at once).
+        let created = client.batch_execute(&format!("CREATE DATABASE \"{name}\"")).await;
+        match created {
+            Err(e)
+                if e.code().is_some_and(|code| {
+                    *code == inbox::tokio_postgres::error::SqlState::DUPLICATE_DATABASE
+                        || *code == inbox::tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                }) => {}
+            other => other?,
+        }
     }
     Ok(())
 }

@@ -225,9 +225,13 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     runtime.shutdown().await;
 
     let text = logs.text();
+    // One reconnect, for the one channel the test had the broker close:
+    // seen as the end of the consumer's stream, or, if the stream stays
+    // open, as the closed channel.
+    let reconnects = text.matches("the broker closed the consumer's channel").count()
+        + text.matches("the broker ended the consumer").count();
     assert_eq!(
-        text.matches("the broker closed the consumer's channel").count(),
-        1,
+        reconnects, 1,
         "an ack reached the broker for a delivery it had already settled (a `multiple` ack passed it):\n{text}"
     );
     for key in (0..24).filter(|&k| k != 5) {

@@ -246,3 +246,55 @@ async fn a_consuming_runtime_without_handlers_refuses_to_start() {
     // Nothing was consumed, nothing was declared.
     assert_eq!(env.consumers(&env.queue).await, None);
 }
+
+#[actix_rt::test]
+async fn a_forged_x_death_or_delivery_count_changes_no_count() {
+    // RabbitMQ 4 ignores an `x-death` a client sets; the runtime counts
+    // nothing from it, nor from a client's `x-delivery-count`, on any
+    // version.
+    let env = TestEnv::new("forged_x_death").await;
+    let mut death = FieldTable::default();
+    death.insert("count".into(), AMQPValue::LongLongInt(1_000));
+    death.insert("reason".into(), AMQPValue::LongString("delivery_limit".into()));
+    death.insert("queue".into(), AMQPValue::LongString(env.queue.as_str().into()));
+    let mut forged = FieldTable::default();
+    forged.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+    );
+    forged.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1_000));
+    let Failed { copy, calls, stats } = fail_key_7(&env, How::Plainly, forged).await;
+    // The same walk as a message without them: two attempts on each of two
+    // deliveries, then the error queue.
+    assert_eq!(calls, 4);
+    assert_eq!((stats.delayed, stats.dead_lettered), (1, 1), "{stats:?}");
+    assert_eq!(header(&copy, headers::ATTEMPTS).as_deref(), Some("4"));
+}
+
+#[actix_rt::test]
+async fn every_queue_that_dead_letters_on_a_quorum_queue_does_so_at_least_once() {
+    // Retry tiers dead-letter by TTL back to Q, and Q to Q.error: on a
+    // quorum queue at-most-once unless declared so (RabbitMQ's
+    // dead-lettering docs), on 3.x as on 4.x.
+    let env = TestEnv::new("at_least_once_tiers").await;
+    crate::support::declare(&env.settings()).await;
+    let output = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_queues", "name", "arguments"])
+        .output()
+        .expect("rabbitmqctl runs");
+    let listed = String::from_utf8_lossy(&output.stdout);
+    let mut dead_lettering = 0;
+    let (main, tiers) = (format!("{}\t", env.queue), format!("{}.retry.", env.queue));
+    for line in listed
+        .lines()
+        .filter(|l| l.starts_with(&main) || l.starts_with(&tiers))
+    {
+        dead_lettering += 1;
+        assert!(
+            line.contains(r#"{"x-dead-letter-strategy","at-least-once"}"#),
+            "{line}"
+        );
+        assert!(line.contains(r#"{"x-overflow","reject-publish"}"#), "{line}");
+    }
+    assert_eq!(dead_lettering, 3, "Q and its two tiers:\n{listed}");
+}

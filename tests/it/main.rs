@@ -38,3 +38,5 @@ mod hosting;
 mod operability;
 // Traces: W3C trace context across publish, the outbox and consume.
 mod traces;
+// Hardening II: one row, message or handler never stalls, leaks or poisons the others.
+mod edges;

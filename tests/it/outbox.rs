@@ -833,8 +833,10 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
     })
     .await;
     wait_until("the oversized row is parked", || async {
-        env.scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL AND last_error LIKE '%headers are%'")
-            .await
+        env.scalar(
+            "SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL AND last_error LIKE '%encoded%'",
+        )
+        .await
             == 1
     })
     .await;

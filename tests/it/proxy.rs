@@ -89,6 +89,16 @@ impl Proxy {
         }
     }
 
+    /// Connections through it that are open now.
+    pub(crate) fn open_connections(&self) -> usize {
+        self.links
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|link| !link.is_finished())
+            .count()
+    }
+
     /// Stops all traffic without closing anything: packets vanish.
     pub(crate) fn blackhole(&self) {
         self.set(Network::Blackhole);
