@@ -47,6 +47,7 @@ mod event;
 pub mod fault;
 mod handler;
 pub mod limits;
+pub mod masstransit;
 mod migrations;
 mod names;
 pub mod outbox;

@@ -1,0 +1,554 @@
+//! MassTransit's wire format on RabbitMQ, as version 8.5 writes and reads
+//! it (`message_bus.wire = "masstransit"`).
+//!
+//! Every fact here was read in MassTransit's source at tag v8.5.8 (commit
+//! c1e5caa9; 8.5.0 to 8.5.8 do not differ in these files); each item names
+//! its file. Paths are under `src/`: `MassTransit.Abstractions/` (ABS),
+//! `MassTransit/` (MT), `Transports/MassTransit.RabbitMqTransport/` (RMQ).
+//! Nothing is taken from MassTransit 9.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+/// The content type of MassTransit's default serializer, the JSON
+/// envelope (MT/Serialization/SystemTextJsonMessageSerializer.cs,
+/// `JsonContentType`). MassTransit sets it as the AMQP `content_type`
+/// (RMQ/RabbitMqTransport/RabbitMqSendTransportContext.cs).
+pub const ENVELOPE_CONTENT_TYPE: &str = "application/vnd.masstransit+json";
+
+/// The content type of MassTransit's raw JSON serializer: the body is the
+/// message alone, its metadata in headers
+/// (MT/Serialization/SystemTextJsonRawMessageSerializer.cs).
+pub const RAW_JSON_CONTENT_TYPE: &str = "application/json";
+
+/// The prefix of a message type's URN (ABS/MessageUrn.cs, `Prefix`).
+pub const URN_PREFIX: &str = "urn:message:";
+
+/// The headers MassTransit reads and writes (ABS/MessageHeaders.cs).
+pub mod headers {
+    /// Why a message was moved: [`REASON_FAULT`] to `Q_error`,
+    /// [`REASON_DEAD_LETTER`] to `Q_skipped`.
+    pub const REASON: &str = "MT-Reason";
+    /// `MT-Reason` of a message moved to the error queue
+    /// (MT/Middleware/Rescue/RescueExceptionReceiveContext.cs via
+    /// ABS/Contexts/SendContextExtensions.cs `SetExceptionHeaders`).
+    pub const REASON_FAULT: &str = "fault";
+    /// `MT-Reason` of a message no consumer took, moved to the skipped
+    /// queue (MT/Middleware/DeadLetterTransportFilter.cs).
+    pub const REASON_DEAD_LETTER: &str = "dead-letter";
+    /// The exception's type name (`System.InvalidOperationException`).
+    pub const FAULT_EXCEPTION_TYPE: &str = "MT-Fault-ExceptionType";
+    /// The exception's message, at most 2,048 characters.
+    pub const FAULT_MESSAGE: &str = "MT-Fault-Message";
+    /// When it failed: `DateTime.UtcNow.ToString("O")`
+    /// (`2025-06-20T13:10:25.1234567Z`).
+    pub const FAULT_TIMESTAMP: &str = "MT-Fault-Timestamp";
+    /// The stack trace, at most 2,048 characters (may be empty).
+    pub const FAULT_STACK_TRACE: &str = "MT-Fault-StackTrace";
+    /// The input address of the endpoint it failed on.
+    pub const FAULT_INPUT_ADDRESS: &str = "MT-Fault-InputAddress";
+    /// The consumer that failed (its dotted type name).
+    pub const FAULT_CONSUMER_TYPE: &str = "MT-Fault-ConsumerType";
+    /// The message type it failed as (its dotted type name).
+    pub const FAULT_MESSAGE_TYPE: &str = "MT-Fault-MessageType";
+    /// In-process retries before it faulted; an integer, only when above 0.
+    pub const FAULT_RETRY_COUNT: &str = "MT-Fault-RetryCount";
+    /// Delayed redeliveries so far (an integer), in the envelope's and the
+    /// AMQP headers (ABS/Contexts/SendContextExtensions.cs
+    /// `ApplyRedeliveryOptions`).
+    pub const REDELIVERY_COUNT: &str = "MT-Redelivery-Count";
+    /// Raw JSON: the message id.
+    pub const MESSAGE_ID: &str = "MessageId";
+    /// Raw JSON: the correlation id.
+    pub const CORRELATION_ID: &str = "CorrelationId";
+    /// Raw JSON: the conversation id.
+    pub const CONVERSATION_ID: &str = "ConversationId";
+    /// Raw JSON: the initiator id.
+    pub const INITIATOR_ID: &str = "MT-InitiatorId";
+    /// Raw JSON: the source address.
+    pub const SOURCE_ADDRESS: &str = "MT-Source-Address";
+    /// Raw JSON: the message types, URNs joined by `;`.
+    pub const MESSAGE_TYPE: &str = "MT-MessageType";
+}
+
+/// The JSON envelope (MT/Serialization/JsonMessageEnvelope.cs): fields in
+/// MassTransit's order, camelCase. MassTransit writes every one, `null`
+/// when unset; reading, only `messageId`, `messageType` and `message`
+/// matter here.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JsonEnvelope {
+    /// The message id: the dedup key.
+    pub message_id: Option<String>,
+    /// The request id, for request/response.
+    #[serde(default)]
+    pub request_id: Option<String>,
+    /// The correlation id.
+    #[serde(default)]
+    pub correlation_id: Option<String>,
+    /// The conversation: one per flow of messages.
+    #[serde(default)]
+    pub conversation_id: Option<String>,
+    /// The message that caused this one.
+    #[serde(default)]
+    pub initiator_id: Option<String>,
+    /// The address of the endpoint that sent it.
+    #[serde(default)]
+    pub source_address: Option<String>,
+    /// Where it was sent (an exchange's address).
+    #[serde(default)]
+    pub destination_address: Option<String>,
+    /// Where responses go.
+    #[serde(default)]
+    pub response_address: Option<String>,
+    /// Where faults go.
+    #[serde(default)]
+    pub fault_address: Option<String>,
+    /// The message's types as URNs, most specific first.
+    #[serde(default)]
+    pub message_type: Vec<String>,
+    /// The message itself, as its JSON text.
+    pub message: Option<Box<RawValue>>,
+    /// When it expires, if it does.
+    #[serde(default)]
+    pub expiration_time: Option<String>,
+    /// When it was sent (ISO 8601, UTC).
+    #[serde(default)]
+    pub sent_time: Option<String>,
+    /// Headers, also written as AMQP headers.
+    #[serde(default)]
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    /// The sending host (ABS/Contracts/HostInfo.cs).
+    #[serde(default)]
+    pub host: Option<serde_json::Value>,
+}
+
+/// What a MassTransit delivery carries, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoded {
+    /// The message id (envelope `messageId`, or the raw `MessageId`).
+    pub message_id: Uuid,
+    /// Its type names (`Namespace:Type`), most specific first.
+    pub message_types: Vec<String>,
+    /// The message's JSON: the envelope's `message`, or the raw body.
+    pub message: Vec<u8>,
+    /// Its correlation id, if any.
+    pub correlation_id: Option<String>,
+    /// Its conversation id, if any.
+    pub conversation_id: Option<String>,
+    /// Its initiator id, if any.
+    pub initiator_id: Option<String>,
+    /// The address of the endpoint that sent it, if any.
+    pub source_address: Option<String>,
+}
+
+/// Why a delivery is not a MassTransit message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The body is not a JSON envelope.
+    #[error("body is not a MassTransit envelope: {0}")]
+    NotAnEnvelope(String),
+    /// No message id, or one that is not a GUID.
+    #[error("no valid messageId (a GUID is required: it is the dedup key): {0}")]
+    InvalidMessageId(String),
+    /// The AMQP `message_id` and the envelope's `messageId` differ.
+    #[error("the AMQP message_id `{property}` is not the envelope's messageId `{envelope}`")]
+    MessageIdMismatch {
+        /// The AMQP property.
+        property: String,
+        /// The envelope's.
+        envelope: String,
+    },
+    /// No message type, or none in the `urn:message:` form.
+    #[error("no messageType in the urn:message: form")]
+    NoMessageType,
+    /// The envelope has no `message`.
+    #[error("the envelope has no message")]
+    NoMessage,
+    /// A content type MassTransit does not write.
+    #[error("content_type `{0}` is neither {ENVELOPE_CONTENT_TYPE} nor {RAW_JSON_CONTENT_TYPE}")]
+    UnknownContentType(String),
+}
+
+/// `urn:message:{name}` for a type named `Namespace:Type`.
+pub fn message_urn(name: &str) -> String {
+    format!("{URN_PREFIX}{name}")
+}
+
+/// The type name in a message type URN, if it is one.
+pub fn type_of_urn(urn: &str) -> Option<&str> {
+    urn.strip_prefix(URN_PREFIX).filter(|name| !name.is_empty())
+}
+
+/// Decodes a delivery as MassTransit 8.5 writes it: the JSON envelope
+/// (`application/vnd.masstransit+json`, and, as MassTransit does, a
+/// delivery with no content type), or raw JSON (`application/json`, its
+/// metadata in the `MessageId` and `MT-MessageType` headers, the AMQP
+/// `message_id` standing in for a missing `MessageId`).
+pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+    let content_type = properties.content_type().as_ref().map(|c| c.as_str());
+    match content_type {
+        None | Some(ENVELOPE_CONTENT_TYPE) => decode_envelope(properties, body),
+        Some(RAW_JSON_CONTENT_TYPE) => decode_raw(properties, body),
+        Some(other) => Err(WireError::UnknownContentType(other.to_owned())),
+    }
+}
+
+fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+    let envelope: JsonEnvelope =
+        serde_json::from_slice(body).map_err(|e| WireError::NotAnEnvelope(e.to_string()))?;
+    let raw_id = envelope.message_id.unwrap_or_default();
+    let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
+    if let Some(property) = properties.message_id().as_ref()
+        && Uuid::try_parse(property.as_str()).ok() != Some(message_id)
+    {
+        return Err(WireError::MessageIdMismatch {
+            property: property.as_str().to_owned(),
+            envelope: raw_id,
+        });
+    }
+    let message_types = type_names(envelope.message_type.iter().map(String::as_str))?;
+    let message = envelope.message.ok_or(WireError::NoMessage)?;
+    Ok(Decoded {
+        message_id,
+        message_types,
+        message: message.get().as_bytes().to_vec(),
+        correlation_id: envelope.correlation_id,
+        conversation_id: envelope.conversation_id,
+        initiator_id: envelope.initiator_id,
+        source_address: envelope.source_address,
+    })
+}
+
+fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+    let table = properties.headers().clone().unwrap_or_default();
+    let header = |key: &str| text(&table, key);
+    let raw_id = header(headers::MESSAGE_ID)
+        .or_else(|| properties.message_id().as_ref().map(|id| id.as_str().to_owned()))
+        .unwrap_or_default();
+    let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
+    let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
+    Ok(Decoded {
+        message_id,
+        message_types: type_names(types.split(';'))?,
+        message: body.to_vec(),
+        correlation_id: header(headers::CORRELATION_ID).or_else(|| {
+            properties
+                .correlation_id()
+                .as_ref()
+                .map(|c| c.as_str().to_owned())
+        }),
+        conversation_id: header(headers::CONVERSATION_ID),
+        initiator_id: header(headers::INITIATOR_ID),
+        source_address: header(headers::SOURCE_ADDRESS),
+    })
+}
+
+/// The type names of `urns`, in order; at least one.
+fn type_names<'a>(urns: impl Iterator<Item = &'a str>) -> Result<Vec<String>, WireError> {
+    let names: Vec<String> = urns
+        .filter_map(|urn| type_of_urn(urn.trim()))
+        .map(str::to_owned)
+        .collect();
+    if names.is_empty() {
+        return Err(WireError::NoMessageType);
+    }
+    Ok(names)
+}
+
+/// A header's text, as MassTransit writes ids and addresses.
+fn text(table: &FieldTable, key: &str) -> Option<String> {
+    match table.inner().get(key)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+    .filter(|s| !s.is_empty())
+}
+
+/// The address of `entity` (a queue, or an exchange) on the broker at
+/// `host`:`port`, virtual host `vhost`, as MassTransit writes it
+/// (RMQ/RabbitMqEndpointAddress.cs): `rabbitmq://host/entity`, the port
+/// only when not 5672, the virtual host only when not `/` (escaped).
+pub fn address(host: &str, port: u16, vhost: &str, entity: &str) -> String {
+    let authority = match port {
+        5672 => host.to_owned(),
+        port => format!("{host}:{port}"),
+    };
+    match vhost {
+        "/" | "" => format!("rabbitmq://{authority}/{entity}"),
+        vhost => format!("rabbitmq://{authority}/{}/{entity}", escape(vhost)),
+    }
+}
+
+/// `Uri.EscapeDataString`: everything but RFC 3986's unreserved characters
+/// percent-encoded.
+fn escape(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
+/// What an envelope this runtime publishes says of the message.
+#[derive(Debug, Clone)]
+pub struct Outgoing<'a> {
+    /// Its id.
+    pub message_id: Uuid,
+    /// Its type name (`Namespace:Type`).
+    pub message_type: &'a str,
+    /// The message's JSON.
+    pub message: &'a [u8],
+    /// The conversation it belongs to.
+    pub conversation_id: Uuid,
+    /// Its correlation id, if any.
+    pub correlation_id: Option<&'a str>,
+    /// The message that caused it, if any.
+    pub initiator_id: Option<Uuid>,
+    /// The address of the endpoint sending it.
+    pub source_address: Option<&'a str>,
+    /// The address of the exchange it goes to.
+    pub destination_address: Option<&'a str>,
+    /// When it was sent, ISO 8601 in UTC.
+    pub sent_time: &'a str,
+}
+
+/// The JSON envelope of `outgoing`, as MassTransit writes one: every
+/// field, `null` when unset, ids as lowercase hyphenated GUIDs.
+pub fn encode(outgoing: &Outgoing<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let message = RawValue::from_string(String::from_utf8_lossy(outgoing.message).into_owned())?;
+    let envelope = JsonEnvelope {
+        message_id: Some(outgoing.message_id.to_string()),
+        request_id: None,
+        correlation_id: outgoing.correlation_id.map(str::to_owned),
+        conversation_id: Some(outgoing.conversation_id.to_string()),
+        initiator_id: outgoing.initiator_id.map(|id| id.to_string()),
+        source_address: outgoing.source_address.map(str::to_owned),
+        destination_address: outgoing.destination_address.map(str::to_owned),
+        response_address: None,
+        fault_address: None,
+        message_type: vec![message_urn(outgoing.message_type)],
+        message: Some(message),
+        expiration_time: None,
+        sent_time: Some(outgoing.sent_time.to_owned()),
+        headers: serde_json::Map::new(),
+        host: None,
+    };
+    serde_json::to_vec(&envelope)
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::LongString;
+
+    use super::*;
+
+    /// An envelope as MassTransit 8 wrote it, verbatim from
+    /// tests/MassTransit.AmazonSqsTransport.Tests/MessageBody_Specs.cs at
+    /// v8.5.8, its two addresses in their RabbitMQ form.
+    const CAPTURED: &str = r#"{
+  "messageId": "00ab0000-6ab3-f8b4-f78c-08db7c8365ff",
+  "requestId": null,
+  "correlationId": null,
+  "conversationId": "00ab0000-6ab3-f8b4-739e-08db7c83660f",
+  "initiatorId": null,
+  "sourceAddress": "rabbitmq://localhost/MYHOST_Publisher_bus_ab1oyyrb7ecqdt3nbdpjtsbgrs?temporary=true",
+  "destinationAddress": "rabbitmq://localhost/TestSerialization:TestMessage",
+  "responseAddress": null,
+  "faultAddress": null,
+  "messageType": [
+    "urn:message:TestSerialization:TestMessage"
+  ],
+  "message": {
+    "name": "Hello world!"
+  },
+  "expirationTime": null,
+  "sentTime": "2023-07-04T11:39:59.689102Z",
+  "headers": {},
+  "host": {
+    "machineName": "XXXX",
+    "processName": "Publisher",
+    "processId": 43776,
+    "assembly": "Publisher",
+    "assemblyVersion": "1.0.0.0",
+    "frameworkVersion": "6.0.14",
+    "massTransitVersion": "8.0.16.0",
+    "operatingSystemVersion": "Microsoft Windows NT 10.0.19044.0"
+  }
+}"#;
+
+    fn envelope_properties(message_id: Option<&str>) -> BasicProperties {
+        let properties = BasicProperties::default().with_content_type(ENVELOPE_CONTENT_TYPE.into());
+        match message_id {
+            Some(id) => properties.with_message_id(id.into()),
+            None => properties,
+        }
+    }
+
+    #[test]
+    fn a_captured_envelope_decodes_to_its_id_type_message_and_context() {
+        let decoded = decode(
+            &envelope_properties(Some("00ab0000-6ab3-f8b4-f78c-08db7c8365ff")),
+            CAPTURED.as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(
+            decoded.message_id,
+            Uuid::parse_str("00ab0000-6ab3-f8b4-f78c-08db7c8365ff").unwrap()
+        );
+        assert_eq!(decoded.message_types, ["TestSerialization:TestMessage"]);
+        let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(message, serde_json::json!({"name": "Hello world!"}));
+        assert_eq!(
+            decoded.conversation_id.as_deref(),
+            Some("00ab0000-6ab3-f8b4-739e-08db7c83660f")
+        );
+        assert_eq!(decoded.initiator_id, None);
+        assert!(
+            decoded
+                .source_address
+                .unwrap()
+                .starts_with("rabbitmq://localhost/")
+        );
+        // No content type: MassTransit's default deserializer, the envelope.
+        assert!(decode(&BasicProperties::default(), CAPTURED.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn an_envelope_whose_id_differs_from_the_amqp_message_id_is_malformed() {
+        let other = Uuid::now_v7().to_string();
+        let error = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes()).unwrap_err();
+        assert!(matches!(error, WireError::MessageIdMismatch { .. }), "{error}");
+        let no_type = CAPTURED.replace("urn:message:TestSerialization:TestMessage", "TestMessage");
+        assert_eq!(
+            decode(&envelope_properties(None), no_type.as_bytes()),
+            Err(WireError::NoMessageType)
+        );
+        let bad_id = CAPTURED.replace("00ab0000-6ab3-f8b4-f78c-08db7c8365ff", "not-a-guid");
+        assert!(matches!(
+            decode(&envelope_properties(None), bad_id.as_bytes()),
+            Err(WireError::InvalidMessageId(_))
+        ));
+        assert!(matches!(
+            decode(&envelope_properties(None), b"{\"messageId\": "),
+            Err(WireError::NotAnEnvelope(_))
+        ));
+        let xml = BasicProperties::default().with_content_type("application/xml".into());
+        assert!(matches!(
+            decode(&xml, CAPTURED.as_bytes()),
+            Err(WireError::UnknownContentType(_))
+        ));
+    }
+
+    #[test]
+    fn raw_json_reads_its_metadata_from_the_headers_masstransit_writes() {
+        let id = Uuid::now_v7();
+        let mut table = FieldTable::default();
+        table.insert(
+            headers::MESSAGE_ID.into(),
+            AMQPValue::LongString(LongString::from(id.to_string())),
+        );
+        table.insert(
+            headers::MESSAGE_TYPE.into(),
+            AMQPValue::LongString(
+                "urn:message:Conference.Contracts:AttendeeCheckedIn;urn:message:Base:Event".into(),
+            ),
+        );
+        table.insert(headers::CONVERSATION_ID.into(), AMQPValue::LongString("c".into()));
+        let properties = BasicProperties::default()
+            .with_content_type(RAW_JSON_CONTENT_TYPE.into())
+            .with_headers(table);
+        let body = br#"{"attendeeId": 1, "sessionId": 2}"#;
+        let decoded = decode(&properties, body).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(
+            decoded.message_types,
+            ["Conference.Contracts:AttendeeCheckedIn", "Base:Event"]
+        );
+        assert_eq!(decoded.message, body);
+        assert_eq!(decoded.conversation_id.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn an_encoded_envelope_has_every_field_masstransit_writes_and_decodes_back() {
+        let (id, conversation, initiator) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let outgoing = Outgoing {
+            message_id: id,
+            message_type: "Conference.Contracts:CheckinRecorded",
+            message: br#"{"attendeeId":1,"sessionId":2}"#,
+            conversation_id: conversation,
+            correlation_id: None,
+            initiator_id: Some(initiator),
+            source_address: Some("rabbitmq://localhost/checkins"),
+            destination_address: Some("rabbitmq://localhost/Conference.Contracts:CheckinRecorded"),
+            sent_time: "2026-12-04T03:00:00.000000Z",
+        };
+        let encoded = encode(&outgoing).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&encoded).unwrap();
+        let text = String::from_utf8(encoded.clone()).unwrap();
+        // The fifteen of JsonMessageEnvelope, in its order, each once.
+        let order = [
+            "messageId",
+            "requestId",
+            "correlationId",
+            "conversationId",
+            "initiatorId",
+            "sourceAddress",
+            "destinationAddress",
+            "responseAddress",
+            "faultAddress",
+            "messageType",
+            "message",
+            "expirationTime",
+            "sentTime",
+            "headers",
+            "host",
+        ];
+        let at: Vec<usize> = order
+            .iter()
+            .map(|field| text.find(&format!("\"{field}\":")).expect(field))
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+        assert_eq!(json.as_object().unwrap().len(), order.len());
+        assert_eq!(
+            json["requestId"],
+            serde_json::Value::Null,
+            "unset is null, not absent"
+        );
+        assert_eq!(
+            json["messageType"],
+            serde_json::json!(["urn:message:Conference.Contracts:CheckinRecorded"])
+        );
+        let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(decoded.initiator_id, Some(initiator.to_string()));
+        assert_eq!(decoded.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.message, br#"{"attendeeId":1,"sessionId":2}"#);
+    }
+
+    #[test]
+    fn addresses_leave_out_the_default_port_and_virtual_host() {
+        assert_eq!(
+            address("localhost", 5672, "/", "checkins"),
+            "rabbitmq://localhost/checkins"
+        );
+        assert_eq!(
+            address("rabbit", 5673, "/", "Conference.Contracts:AttendeeCheckedIn"),
+            "rabbitmq://rabbit:5673/Conference.Contracts:AttendeeCheckedIn"
+        );
+        assert_eq!(
+            address("localhost", 5672, "my vhost", "q"),
+            "rabbitmq://localhost/my%20vhost/q"
+        );
+        assert_eq!(message_urn("A.B:C"), "urn:message:A.B:C");
+        assert_eq!(type_of_urn("urn:message:A.B:C"), Some("A.B:C"));
+        assert_eq!(type_of_urn("urn:message:"), None);
+        assert_eq!(type_of_urn("A.B:C"), None);
+    }
+}
