@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeBindOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -25,7 +25,7 @@ use crate::envelope::JSON;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::fault;
-use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSettings, Settings};
+use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSettings, Settings, Wire};
 use crate::trace::TraceContext;
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
@@ -181,6 +181,25 @@ pub async fn declare_topology(
     queue: &QueueSettings,
     failure: &FailureSettings,
 ) -> Result<()> {
+    declare_wire_topology(channel, queue, failure, Wire::Inbox, &[]).await
+}
+
+/// [`declare_topology`] with `wire`'s names. For [`Wire::Masstransit`],
+/// also the exchanges MassTransit 8 declares for a receive endpoint
+/// (RMQ/RabbitMqTransport/Configuration/RabbitMqReceiveEndpointBuilder.cs,
+/// Topology/RabbitMqMessageConsumeTopology.cs at v8.5.8): a durable fanout
+/// exchange named like `Q` and bound to it; one per type of
+/// `message_types` (`Namespace:Type`), bound to exchange `Q`, so that a
+/// MassTransit producer publishing the type reaches `Q` with no other
+/// setup; and `Q_error` and `Q_skipped` each behind an exchange of its
+/// name, where MassTransit's tools look.
+pub async fn declare_wire_topology(
+    channel: &Channel,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+    wire: Wire,
+    message_types: &[&str],
+) -> Result<()> {
     let quorum = queue.kind == QueueKind::Quorum;
     let base = || {
         let mut arguments = FieldTable::default();
@@ -205,7 +224,7 @@ pub async fn declare_topology(
     };
 
     let mut main = base();
-    dead_letter_to(&mut main, &error_queue(&queue.name));
+    dead_letter_to(&mut main, &wire.error_queue(&queue.name));
     limit(&mut main, queue.delivery_limit);
     declare(channel, &queue.name, main).await?;
     for (i, delay) in failure.delays.iter().enumerate() {
@@ -216,13 +235,77 @@ pub async fn declare_topology(
             AMQPValue::LongLongInt(delay.as_millis() as i64),
         );
         dead_letter_to(&mut arguments, &queue.name);
-        declare(channel, &retry_queue(&queue.name, i + 1), arguments).await?;
+        declare(channel, &wire.retry_queue(&queue.name, i + 1), arguments).await?;
     }
-    for set_aside in [error_queue(&queue.name), skipped_queue(&queue.name)] {
+    for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
         let mut arguments = base();
         limit(&mut arguments, MAX_DELIVERY_LIMIT);
         declare(channel, &set_aside, arguments).await?;
+        if wire == Wire::Masstransit {
+            fanout_exchange(channel, &set_aside).await?;
+            bind_queue(channel, &set_aside).await?;
+        }
     }
+    if wire == Wire::Masstransit {
+        for message_type in message_types {
+            crate::limits::check_name("message type", message_type).map_err(|reason| Error::Exchange {
+                exchange: crate::fault::truncate(message_type, 64).into_owned(),
+                reason,
+            })?;
+        }
+        fanout_exchange(channel, &queue.name).await?;
+        bind_queue(channel, &queue.name).await?;
+        for message_type in message_types {
+            fanout_exchange(channel, message_type).await?;
+            channel
+                .exchange_bind(
+                    queue.name.as_str().into(),
+                    (*message_type).into(),
+                    "".into(),
+                    ExchangeBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| Error::Exchange {
+                    exchange: (*message_type).to_owned(),
+                    reason: format!("binding it to exchange `{}`: {}", queue.name, crate::describe(&e)),
+                })?;
+        }
+    }
+    Ok(())
+}
+
+/// Declares a durable fanout exchange named `name`, as MassTransit does
+/// for its endpoints and message types.
+async fn fanout_exchange(channel: &Channel, name: &str) -> Result<()> {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(name.into(), ExchangeKind::Fanout, options, FieldTable::default())
+        .await
+        .map_err(|e| Error::Exchange {
+            exchange: name.to_owned(),
+            reason: crate::describe(&e),
+        })
+}
+
+/// Binds the queue `name` to the exchange of its name.
+async fn bind_queue(channel: &Channel, name: &str) -> Result<()> {
+    channel
+        .queue_bind(
+            name.into(),
+            name.into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| Error::Topology {
+            queue: name.to_owned(),
+            reason: format!("binding it to its exchange: {}", crate::describe(&e)),
+        })?;
     Ok(())
 }
 

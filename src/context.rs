@@ -29,8 +29,18 @@ pub struct MessageContext {
     pub event_type: String,
     /// Whether the broker delivered it before.
     pub redelivered: bool,
-    /// Its `correlation_id` header, if it had one (untrusted, bounded).
+    /// Its `correlation_id` header, if it had one (with MassTransit's
+    /// wire, the envelope's `correlationId`; untrusted, bounded).
     pub correlation_id: Option<String>,
+    /// With MassTransit's wire, the envelope's `conversationId`
+    /// (untrusted, bounded).
+    pub conversation_id: Option<String>,
+    /// With MassTransit's wire, the envelope's `initiatorId` (untrusted,
+    /// bounded).
+    pub initiator_id: Option<String>,
+    /// With MassTransit's wire, the envelope's `sourceAddress` (untrusted,
+    /// bounded).
+    pub source_address: Option<String>,
     /// Its `causation_id` header, if it had one (untrusted, bounded).
     pub causation_id: Option<String>,
     /// Which attempt this is, from 1: every delivery of the message and
@@ -56,11 +66,20 @@ impl MessageContext {
             }
             .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned())
         };
+        let bounded = |value: &Option<String>| {
+            value
+                .as_deref()
+                .map(|t| truncate(t, MAX_VALUE_BYTES).into_owned())
+        };
+        let masstransit = envelope.masstransit.clone().unwrap_or_default();
         Self {
             message_id: envelope.message_id,
             event_type: envelope.event_type.clone(),
             redelivered: envelope.redelivered,
-            correlation_id: text(CORRELATION_ID),
+            correlation_id: bounded(&masstransit.correlation_id).or_else(|| text(CORRELATION_ID)),
+            conversation_id: bounded(&masstransit.conversation_id),
+            initiator_id: bounded(&masstransit.initiator_id),
+            source_address: bounded(&masstransit.source_address),
             causation_id: text(CAUSATION_ID),
             attempt: envelope.attempt,
             trace: envelope.trace.clone(),

@@ -30,6 +30,9 @@ pub struct Envelope {
     /// The publisher's trace context, from its `traceparent` and
     /// `tracestate` headers, if valid.
     pub trace: Option<TraceContext>,
+    /// With MassTransit's wire: where the message comes from, as its
+    /// envelope says (correlation, conversation, initiator, source).
+    pub masstransit: Option<crate::masstransit::Context>,
     /// The span all work on this message runs in, named `process {queue}`
     /// after OpenTelemetry's messaging conventions (`messaging.system`,
     /// `messaging.destination.name`, `messaging.message.id`,
@@ -58,6 +61,9 @@ pub enum DecodeError {
     /// The content type says the body is not JSON.
     #[error("content_type `{0}` is not application/json")]
     NotJson(String),
+    /// Not a MassTransit message (with `message_bus.wire = "masstransit"`).
+    #[error("{0}")]
+    MassTransit(#[from] crate::masstransit::WireError),
 }
 
 impl Envelope {
@@ -98,6 +104,50 @@ impl Envelope {
             redelivered,
             attempt: 1,
             trace,
+            masstransit: None,
+        })
+    }
+
+    /// Decodes a delivery as MassTransit 8 writes it (see
+    /// [`crate::masstransit::decode`]), as received by `consumer`. Its type
+    /// is the first of its message types that `handled` accepts (the
+    /// types a handler is registered for), else the first: then no handler
+    /// takes it, and it is skipped. The body becomes the envelope's
+    /// `message`.
+    pub fn decode_masstransit(
+        properties: &BasicProperties,
+        body: &[u8],
+        redelivered: bool,
+        consumer: &str,
+        handled: impl Fn(&str) -> bool,
+    ) -> Result<Self, DecodeError> {
+        let decoded = crate::masstransit::decode(properties, body)?;
+        let event_type = decoded
+            .message_types
+            .iter()
+            .find(|name| handled(name))
+            .unwrap_or(&decoded.message_types[0])
+            .clone();
+        let headers = properties.headers().clone().unwrap_or_default();
+        let trace = TraceContext::from_headers(&headers);
+        // The body as it came stays where it was: a copy set aside must be
+        // the message MassTransit sent.
+        Ok(Self {
+            span: span(
+                decoded.message_id,
+                &event_type,
+                consumer,
+                redelivered,
+                trace.as_ref(),
+            ),
+            message_id: decoded.message_id,
+            event_type,
+            body: decoded.message,
+            headers,
+            redelivered,
+            attempt: 1,
+            trace,
+            masstransit: Some(decoded.context),
         })
     }
 
@@ -139,6 +189,7 @@ impl Envelope {
             redelivered: false,
             attempt: 1,
             trace,
+            masstransit: None,
         };
         envelope.consumed_from(consumer, consumer);
         Ok(envelope)
@@ -167,6 +218,7 @@ impl Envelope {
             redelivered: false,
             attempt: 1,
             trace,
+            masstransit: None,
         };
         envelope.consumed_from(consumer, &outgoing.routing_key);
         envelope

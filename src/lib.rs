@@ -74,7 +74,7 @@ pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{
     DatabaseSettings, Destination, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
-    QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings,
+    QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings, Wire,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 pub use trace::TraceContext;

@@ -135,6 +135,14 @@ pub struct Decoded {
     pub message_types: Vec<String>,
     /// The message's JSON: the envelope's `message`, or the raw body.
     pub message: Vec<u8>,
+    /// Where it comes from, as the envelope says.
+    pub context: Context,
+}
+
+/// Where a MassTransit message comes from: what a handler sees of it
+/// beside the id (untrusted text, as sent).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Context {
     /// Its correlation id, if any.
     pub correlation_id: Option<String>,
     /// Its conversation id, if any.
@@ -217,10 +225,12 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded,
         message_id,
         message_types,
         message: message.get().as_bytes().to_vec(),
-        correlation_id: envelope.correlation_id,
-        conversation_id: envelope.conversation_id,
-        initiator_id: envelope.initiator_id,
-        source_address: envelope.source_address,
+        context: Context {
+            correlation_id: envelope.correlation_id,
+            conversation_id: envelope.conversation_id,
+            initiator_id: envelope.initiator_id,
+            source_address: envelope.source_address,
+        },
     })
 }
 
@@ -236,15 +246,17 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, Wire
         message_id,
         message_types: type_names(types.split(';'))?,
         message: body.to_vec(),
-        correlation_id: header(headers::CORRELATION_ID).or_else(|| {
-            properties
-                .correlation_id()
-                .as_ref()
-                .map(|c| c.as_str().to_owned())
-        }),
-        conversation_id: header(headers::CONVERSATION_ID),
-        initiator_id: header(headers::INITIATOR_ID),
-        source_address: header(headers::SOURCE_ADDRESS),
+        context: Context {
+            correlation_id: header(headers::CORRELATION_ID).or_else(|| {
+                properties
+                    .correlation_id()
+                    .as_ref()
+                    .map(|c| c.as_str().to_owned())
+            }),
+            conversation_id: header(headers::CONVERSATION_ID),
+            initiator_id: header(headers::INITIATOR_ID),
+            source_address: header(headers::SOURCE_ADDRESS),
+        },
     })
 }
 
@@ -294,6 +306,76 @@ fn escape(text: &str) -> String {
             other => format!("%{other:02X}"),
         })
         .collect()
+}
+
+/// A failure, as MassTransit's error queue headers say it.
+#[derive(Debug, Clone)]
+pub struct Fault<'a> {
+    /// The failure's text (`MT-Fault-Message`).
+    pub message: &'a str,
+    /// What failed, in MassTransit's place of an exception type
+    /// (`MT-Fault-ExceptionType`).
+    pub exception_type: &'a str,
+    /// The handler, or the runtime's stage, that failed
+    /// (`MT-Fault-ConsumerType`).
+    pub consumer_type: &'a str,
+    /// The message's type name (`Namespace:Type`); written dotted, as .NET
+    /// names it (`MT-Fault-MessageType`).
+    pub message_type: &'a str,
+    /// The consumed queue's address (`MT-Fault-InputAddress`).
+    pub input_address: &'a str,
+    /// Attempts before the last one (`MT-Fault-RetryCount`, when above 0).
+    pub retries: u32,
+    /// When (`MT-Fault-Timestamp`, ISO 8601 in UTC).
+    pub timestamp: &'a str,
+}
+
+/// The longest fault text MassTransit writes (2,048 characters; the
+/// runtime cuts bytes, on a character boundary).
+const MAX_FAULT_TEXT: usize = 2048;
+
+/// Stamps `fault` as MassTransit's error transport does on the copy it
+/// moves to `Q_error` (ABS/Contexts/SendContextExtensions.cs
+/// `SetExceptionHeaders`, RMQ/RabbitMqTransport/RabbitMqErrorTransport.cs).
+pub fn stamp_fault(headers: &mut FieldTable, fault: &Fault<'_>) {
+    let text =
+        |value: &str| AMQPValue::LongString(crate::fault::truncate(value, MAX_FAULT_TEXT).as_ref().into());
+    headers.insert(headers::REASON.into(), text(headers::REASON_FAULT));
+    headers.insert(headers::FAULT_EXCEPTION_TYPE.into(), text(fault.exception_type));
+    headers.insert(headers::FAULT_MESSAGE.into(), text(fault.message));
+    headers.insert(headers::FAULT_TIMESTAMP.into(), text(fault.timestamp));
+    headers.insert(headers::FAULT_STACK_TRACE.into(), text(""));
+    headers.insert(headers::FAULT_INPUT_ADDRESS.into(), text(fault.input_address));
+    headers.insert(headers::FAULT_CONSUMER_TYPE.into(), text(fault.consumer_type));
+    headers.insert(
+        headers::FAULT_MESSAGE_TYPE.into(),
+        text(&fault.message_type.replace(':', ".")),
+    );
+    if fault.retries > 0 {
+        headers.insert(
+            headers::FAULT_RETRY_COUNT.into(),
+            AMQPValue::LongInt(i32::try_from(fault.retries).unwrap_or(i32::MAX)),
+        );
+    }
+}
+
+/// Stamps what MassTransit's dead-letter transport writes on a message no
+/// consumer took, moved to `Q_skipped` (MT/Middleware/DeadLetterTransportFilter.cs,
+/// RMQ/RabbitMqTransport/RabbitMqDeadLetterTransport.cs).
+pub fn stamp_dead_letter(headers: &mut FieldTable) {
+    headers.insert(
+        headers::REASON.into(),
+        AMQPValue::LongString(headers::REASON_DEAD_LETTER.into()),
+    );
+}
+
+/// Stamps a delayed redelivery's count, as MassTransit's delayed
+/// redelivery does (`MT-Redelivery-Count`, an integer).
+pub fn stamp_redelivery(headers: &mut FieldTable, count: u32) {
+    headers.insert(
+        headers::REDELIVERY_COUNT.into(),
+        AMQPValue::LongInt(i32::try_from(count).unwrap_or(i32::MAX)),
+    );
 }
 
 /// What an envelope this runtime publishes says of the message.
@@ -406,12 +488,13 @@ mod tests {
         let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         assert_eq!(message, serde_json::json!({"name": "Hello world!"}));
         assert_eq!(
-            decoded.conversation_id.as_deref(),
+            decoded.context.conversation_id.as_deref(),
             Some("00ab0000-6ab3-f8b4-739e-08db7c83660f")
         );
-        assert_eq!(decoded.initiator_id, None);
+        assert_eq!(decoded.context.initiator_id, None);
         assert!(
             decoded
+                .context
                 .source_address
                 .unwrap()
                 .starts_with("rabbitmq://localhost/")
@@ -472,7 +555,7 @@ mod tests {
             ["Conference.Contracts:AttendeeCheckedIn", "Base:Event"]
         );
         assert_eq!(decoded.message, body);
-        assert_eq!(decoded.conversation_id.as_deref(), Some("c"));
+        assert_eq!(decoded.context.conversation_id.as_deref(), Some("c"));
     }
 
     #[test]
@@ -527,9 +610,53 @@ mod tests {
         );
         let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded).unwrap();
         assert_eq!(decoded.message_id, id);
-        assert_eq!(decoded.initiator_id, Some(initiator.to_string()));
-        assert_eq!(decoded.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.context.initiator_id, Some(initiator.to_string()));
+        assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
         assert_eq!(decoded.message, br#"{"attendeeId":1,"sessionId":2}"#);
+    }
+
+    #[test]
+    fn fault_headers_are_masstransits_names_and_kinds() {
+        let mut table = FieldTable::default();
+        let long = "x".repeat(5_000);
+        stamp_fault(
+            &mut table,
+            &Fault {
+                message: &long,
+                exception_type: "Inbox.HandlerFailed",
+                consumer_type: "CountCheckins",
+                message_type: "Conference.Contracts:AttendeeCheckedIn",
+                input_address: "rabbitmq://localhost/checkins",
+                retries: 3,
+                timestamp: "2026-12-04T03:00:00.000Z",
+            },
+        );
+        let text = |key: &str| match table.inner().get(key) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+            other => panic!("{key}: {other:?}"),
+        };
+        assert_eq!(text("MT-Reason"), "fault");
+        assert_eq!(
+            text("MT-Fault-MessageType"),
+            "Conference.Contracts.AttendeeCheckedIn"
+        );
+        assert_eq!(text("MT-Fault-InputAddress"), "rabbitmq://localhost/checkins");
+        assert!(text("MT-Fault-Message").len() <= MAX_FAULT_TEXT);
+        assert_eq!(
+            table.inner().get("MT-Fault-RetryCount"),
+            Some(&AMQPValue::LongInt(3))
+        );
+        let mut skipped = FieldTable::default();
+        stamp_dead_letter(&mut skipped);
+        stamp_redelivery(&mut skipped, 2);
+        assert_eq!(
+            skipped.inner().get("MT-Reason"),
+            Some(&AMQPValue::LongString("dead-letter".into()))
+        );
+        assert_eq!(
+            skipped.inner().get("MT-Redelivery-Count"),
+            Some(&AMQPValue::LongInt(2))
+        );
     }
 
     #[test]

@@ -48,6 +48,24 @@ pub enum Provider {
     InProcess,
 }
 
+/// What a message looks like on the wire, and how the queues kept beside a
+/// consumed queue are named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wire {
+    /// This library's own contract: the AMQP `message_id` and `type`
+    /// properties, the event as the JSON body; `Q.retry.<n>`, `Q.error`,
+    /// `Q.skipped`.
+    #[default]
+    Inbox,
+    /// MassTransit 8's ([`crate::masstransit`]): the JSON envelope (or raw
+    /// JSON), types as `urn:message:Namespace:Type`, a fanout exchange per
+    /// queue and per message type, `Q_error` and `Q_skipped` with
+    /// MassTransit's `MT-*` fault headers; `Q_retry_<n>` for the delay
+    /// tiers (MassTransit's own delays need a broker plugin).
+    Masstransit,
+}
+
 /// `[message_bus]`. Its `Debug` hides the passwords in `amqp_url` and
 /// `amqp_urls`.
 #[derive(Clone, Deserialize)]
@@ -55,6 +73,10 @@ pub enum Provider {
 pub struct MessageBusSettings {
     /// `provider`: `rabbitmq` or `in_process`. Default `rabbitmq`.
     pub provider: Provider,
+    /// `wire`: `inbox` (this library's contract) or `masstransit`
+    /// (MassTransit 8's envelope, topology and fault conventions). Default
+    /// `inbox`.
+    pub wire: Wire,
     /// `amqp_url`: the broker. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
     pub amqp_url: String,
     /// `amqp_urls`: the nodes of a RabbitMQ cluster, one URL each. When set,
@@ -101,6 +123,7 @@ impl Default for MessageBusSettings {
     fn default() -> Self {
         Self {
             provider: Provider::Rabbitmq,
+            wire: Wire::Inbox,
             amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             amqp_urls: Vec::new(),
             exchange: String::new(),
@@ -117,6 +140,7 @@ impl std::fmt::Debug for MessageBusSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MessageBusSettings")
             .field("provider", &self.provider)
+            .field("wire", &self.wire)
             .field("amqp_url", &redact(&self.amqp_url))
             .field(
                 "amqp_urls",

@@ -62,7 +62,7 @@ use crate::availability::DatabaseGate;
 use crate::dedup::DedupActor;
 use crate::link::Link;
 use crate::metrics::QueueMetrics;
-use crate::settle::{Pending, Settler};
+use crate::settle::{Dialect, Pending, Settler};
 use crate::stats::Stats;
 
 /// Stop consuming and resolve once no message is in flight.
@@ -168,6 +168,7 @@ impl ConsumerActor {
             database,
             concurrent_batches: queue.concurrent_batches,
             window: Arc::default(),
+            dialect: Dialect::of(settings, queue, Arc::clone(&link.message_types)),
         };
         let size = usize::from(queue.batch_size);
         Self {
@@ -411,7 +412,8 @@ impl ConsumerActor {
             self.message_done(ctx);
         }
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
-        let opening = async move { Link::reopen(&settings, &queue, &old).await };
+        let types = self.settler.dialect.message_types();
+        let opening = async move { Link::reopen(&settings, &queue, types, &old).await };
         ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
             actor.reconnecting = false;
             if actor.draining {

@@ -20,15 +20,24 @@ pub(crate) struct Link {
     pub(crate) channel: Channel,
     pub(crate) stream: Consumer,
     pub(crate) forwarder: AmqpPublisher,
+    /// The event types handlers are registered for, whose exchanges
+    /// MassTransit's wire binds to the queue's.
+    pub(crate) message_types: Arc<[String]>,
 }
 
 impl Link {
     /// Connects, declares the queue's topology, sets its prefetch and starts
     /// consuming.
-    pub(crate) async fn open(settings: &Settings, queue: &QueueSettings) -> inbox::Result<Self> {
+    pub(crate) async fn open(
+        settings: &Settings,
+        queue: &QueueSettings,
+        message_types: Arc<[String]>,
+    ) -> inbox::Result<Self> {
         let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
         let channel = connection.create_channel().await?;
-        amqp::declare_topology(&channel, queue, &settings.failure).await?;
+        let types: Vec<&str> = message_types.iter().map(String::as_str).collect();
+        let wire = settings.message_bus.wire;
+        amqp::declare_wire_topology(&channel, queue, &settings.failure, wire, &types).await?;
         channel
             .basic_qos(queue.prefetch, BasicQosOptions { global: false })
             .await?;
@@ -48,18 +57,24 @@ impl Link {
             channel,
             stream,
             forwarder,
+            message_types,
         })
     }
 
     /// Closes `old` (within `message_bus.connect_timeout`: a connection
     /// whose packets vanish never answers) and opens a new link, trying
     /// again with a growing pause until it is open.
-    pub(crate) async fn reopen(settings: &Settings, queue: &QueueSettings, old: &Connection) -> Self {
+    pub(crate) async fn reopen(
+        settings: &Settings,
+        queue: &QueueSettings,
+        message_types: Arc<[String]>,
+        old: &Connection,
+    ) -> Self {
         let closing = old.close(320, "reconnecting".into());
         let _ = tokio::time::timeout(settings.message_bus.connect_timeout, closing).await;
         let mut backoff = Backoff::new(FIRST_RECONNECT_PAUSE, MAX_RECONNECT_PAUSE);
         loop {
-            match Link::open(settings, queue).await {
+            match Link::open(settings, queue, Arc::clone(&message_types)).await {
                 Ok(link) => return link,
                 Err(e) => {
                     let pause = backoff.next_pause();

@@ -179,6 +179,9 @@ impl RuntimeBuilder {
             Provider::InProcess => Vec::new(),
         };
         let health = Arc::new(HealthState::new(consumed, Arc::clone(&database)));
+        // For the wire's topology and decoding: which types have handlers.
+        let mut message_types: Vec<String> = routes.keys().map(|t| (*t).to_owned()).collect();
+        message_types.sort();
         let routes: Routes = routes
             .into_iter()
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
@@ -241,6 +244,7 @@ impl RuntimeBuilder {
                 Arc::clone(&stats),
             ),
             settings,
+            message_types: message_types.into(),
             pool,
             dedup,
             outbox,
@@ -315,6 +319,8 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// ```
 pub struct Runtime {
     settings: ValidSettings,
+    /// The event types handlers are registered for, by name.
+    message_types: Arc<[String]>,
     /// Where units of work stage messages (over a broker).
     outbox: Option<Outbox>,
     /// Publishes what they staged, once committed.
@@ -361,8 +367,10 @@ impl Runtime {
             let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
             publisher.declare_exchange().await?;
             let channel = publisher.open_channel().await?;
+            let types: Vec<&str> = self.message_types.iter().map(String::as_str).collect();
             for queue in &self.settings.queues {
-                inbox::amqp::declare_topology(&channel, queue, &self.settings.failure).await?;
+                let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
+                inbox::amqp::declare_wire_topology(&channel, queue, failure, wire, &types).await?;
             }
             let _ = channel.close(200, "declared".into()).await;
             // The outbox dispatches over a connection of its own.
@@ -413,7 +421,7 @@ impl Runtime {
         let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
         tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
         for queue in &self.settings.queues {
-            let link = Link::open(&self.settings, queue).await?;
+            let link = Link::open(&self.settings, queue, Arc::clone(&self.message_types)).await?;
             let connected = Arc::new(AtomicBool::new(false));
             let actor = ConsumerActor::new(
                 &self.settings,

@@ -15,13 +15,12 @@ use std::time::{Duration, Instant};
 
 use actix::Addr;
 use futures_util::future::join_all;
-use inbox::amqp::{error_queue, retry_queue, skipped_queue};
 use inbox::fault::{FailureHistory, Fault};
 use inbox::lapin::message::Delivery;
 use inbox::lapin::options::BasicNackOptions;
 use inbox::policy::Failure;
 use inbox::{
-    Abandoned, Action, AmqpPublisher, DeliveryLabel, Envelope, FailureSettings, Outcome, Stage, Target,
+    Abandoned, Action, AmqpPublisher, DeliveryLabel, Envelope, FailureSettings, Outcome, Stage, Target, Wire,
 };
 use tracing::Instrument;
 
@@ -52,6 +51,79 @@ pub(crate) struct Settler {
     pub(crate) concurrent_batches: u16,
     /// The consuming channel's unsettled deliveries; one per link.
     pub(crate) window: Arc<AckWindow>,
+    /// How the queue's messages look on the wire.
+    pub(crate) dialect: Dialect,
+}
+
+/// How a queue's messages look on the wire (`message_bus.wire`): how a
+/// delivery decodes, what the queues kept beside it are named, and which
+/// fault headers a move adds.
+#[derive(Clone)]
+pub(crate) struct Dialect {
+    wire: Wire,
+    /// The types handlers are registered for: a MassTransit message is
+    /// handled as the first of its types among them.
+    handled: Arc<[String]>,
+    /// The queue's address as MassTransit writes it, for
+    /// `MT-Fault-InputAddress`.
+    input_address: String,
+}
+
+impl Dialect {
+    pub(crate) fn of(
+        settings: &inbox::Settings,
+        queue: &inbox::QueueSettings,
+        handled: Arc<[String]>,
+    ) -> Self {
+        let broker = settings
+            .amqp_urls()
+            .first()
+            .and_then(|url| url.parse::<inbox::lapin::uri::AMQPUri>().ok());
+        let input_address = match broker {
+            Some(uri) => {
+                inbox::masstransit::address(&uri.authority.host, uri.authority.port, &uri.vhost, &queue.name)
+            }
+            None => inbox::masstransit::address("localhost", 5672, "/", &queue.name),
+        };
+        Self {
+            wire: settings.message_bus.wire,
+            handled,
+            input_address,
+        }
+    }
+
+    /// The types handlers are registered for.
+    pub(crate) fn message_types(&self) -> Arc<[String]> {
+        Arc::clone(&self.handled)
+    }
+
+    /// Decodes `delivery` as this wire's envelope.
+    fn decode(&self, delivery: &mut Delivery, consumer: &str) -> Result<Envelope, inbox::DecodeError> {
+        match self.wire {
+            Wire::Inbox => Envelope::decode(
+                &delivery.properties,
+                &mut delivery.data,
+                delivery.redelivered,
+                consumer,
+            ),
+            Wire::Masstransit => Envelope::decode_masstransit(
+                &delivery.properties,
+                &delivery.data,
+                delivery.redelivered,
+                consumer,
+                |name| self.handled.iter().any(|handled| handled == name),
+            ),
+        }
+    }
+}
+
+/// A move: where to, why, the body to copy, and the message's type (empty
+/// when it could not be decoded).
+struct Moved<'a> {
+    to: Target,
+    failure: Failure,
+    body: &'a [u8],
+    message_type: &'a str,
 }
 
 /// A decoded delivery waiting for its outcome.
@@ -109,12 +181,7 @@ impl Settler {
                 history,
             }));
         }
-        match Envelope::decode(
-            &delivery.properties,
-            &mut delivery.data,
-            delivery.redelivered,
-            &self.consumer,
-        ) {
+        match self.dialect.decode(&mut delivery, &self.consumer) {
             Ok(mut envelope) => {
                 envelope.consumed_from(&self.queue, delivery.routing_key.as_str());
                 envelope.set_attempt(history.next_attempt());
@@ -201,7 +268,14 @@ impl Settler {
         );
         match inbox::decide(rejected, &history, &self.failure) {
             Action::Move { to, failure } => {
-                self.move_to(to, failure, &delivery, ticket, &delivery.data).await;
+                // Not decoded: no type to name.
+                let moved = Moved {
+                    to,
+                    failure,
+                    body: &delivery.data,
+                    message_type: "",
+                };
+                self.move_to(moved, &delivery, ticket).await;
             }
             // The policy moves every rejected outcome (its table says so).
             // Were it ever otherwise, the broker dead-letters the delivery
@@ -289,7 +363,21 @@ impl Settler {
                         if matches!(to, Target::RetryTier(_) | Target::Exhausted) {
                             self.count(Counter::Abandoned);
                         }
-                        self.move_to(to, failure, &delivery, ticket, &envelope.body).await;
+                        // MassTransit's tools expect the message as it was
+                        // sent, envelope and all; the inbox wire's body was
+                        // moved into the envelope as it came.
+                        let body = match envelope.masstransit {
+                            Some(_) => &delivery.data,
+                            None => &envelope.body,
+                        };
+                        let message_type = &envelope.event_type;
+                        let moved = Moved {
+                            to,
+                            failure,
+                            body,
+                            message_type,
+                        };
+                        self.move_to(moved, &delivery, ticket).await;
                         return;
                     }
                 }
@@ -316,12 +404,19 @@ impl Settler {
     /// to the queue `to` names, then acks the original, in that order, and
     /// counts the move. If the copy is not confirmed, the original goes
     /// back to the broker instead.
-    async fn move_to(&self, to: Target, failure: Failure, delivery: &Delivery, ticket: Ticket, body: &[u8]) {
+    async fn move_to(&self, moved: Moved<'_>, delivery: &Delivery, ticket: Ticket) {
+        let Moved {
+            to,
+            failure,
+            body,
+            message_type,
+        } = moved;
+        let wire = self.dialect.wire;
         let (queue, counter) = match to {
-            Target::RetryTier(tier) => (retry_queue(&self.queue, tier), Counter::Delayed),
-            Target::Exhausted => (error_queue(&self.queue), Counter::DeadLettered),
-            Target::Rejected => (error_queue(&self.queue), Counter::Rejected),
-            Target::Skipped => (skipped_queue(&self.queue), Counter::Skipped),
+            Target::RetryTier(tier) => (wire.retry_queue(&self.queue, tier), Counter::Delayed),
+            Target::Exhausted => (wire.error_queue(&self.queue), Counter::DeadLettered),
+            Target::Rejected => (wire.error_queue(&self.queue), Counter::Rejected),
+            Target::Skipped => (wire.skipped_queue(&self.queue), Counter::Skipped),
         };
         tracing::warn!(
             stage = %failure.stage,
@@ -333,11 +428,14 @@ impl Settler {
         let fault = Fault {
             reason: &failure.reason,
             handler: &stage,
-            history: failure.history,
+            history: failure.history.clone(),
             source_queue: &self.queue,
         };
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         fault.stamp(&mut headers);
+        if wire == Wire::Masstransit {
+            self.stamp_masstransit(&mut headers, to, &failure, message_type);
+        }
         let mut properties = delivery.properties.clone().with_headers(headers);
         if let Err(too_large) = self.forwarder.check_fits(&properties).await {
             // The headers it came with are untrusted, and with the fault
@@ -353,6 +451,9 @@ impl Settler {
             tracing::warn!(%too_large, dropped, "the message's headers do not fit one frame with the fault headers; moving it without them");
             let mut headers = inbox::lapin::types::FieldTable::default();
             fault.stamp(&mut headers);
+            if wire == Wire::Masstransit {
+                self.stamp_masstransit(&mut headers, to, &failure, message_type);
+            }
             let note = format!("{dropped} headers dropped: {too_large}");
             headers.insert(
                 inbox::fault::headers::DROPPED_HEADERS.into(),
@@ -379,6 +480,42 @@ impl Settler {
                 };
                 let result = self.window.nack(delivery, ticket, options).await;
                 check_settled(result, "nack", &self.stats);
+            }
+        }
+    }
+
+    /// MassTransit's headers for a move to `to`: `MT-Reason` and the
+    /// `MT-Fault-*` of its error queue, `MT-Reason: dead-letter` for its
+    /// skipped queue, `MT-Redelivery-Count` for a retry tier.
+    fn stamp_masstransit(
+        &self,
+        headers: &mut inbox::lapin::types::FieldTable,
+        to: Target,
+        failure: &Failure,
+        message_type: &str,
+    ) {
+        use inbox::masstransit::{Fault, stamp_dead_letter, stamp_fault, stamp_redelivery};
+        match to {
+            Target::RetryTier(_) => stamp_redelivery(headers, failure.history.redeliveries),
+            Target::Skipped => stamp_dead_letter(headers),
+            Target::Exhausted | Target::Rejected => {
+                let stage = failure.stage.to_string();
+                stamp_fault(
+                    headers,
+                    &Fault {
+                        message: &failure.reason,
+                        exception_type: if to == Target::Rejected {
+                            "Inbox.Rejected"
+                        } else {
+                            "Inbox.AttemptsExhausted"
+                        },
+                        consumer_type: &stage,
+                        message_type,
+                        input_address: &self.dialect.input_address,
+                        retries: failure.history.attempts.saturating_sub(1),
+                        timestamp: &inbox::fault::now(),
+                    },
+                );
             }
         }
     }

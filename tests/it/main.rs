@@ -40,3 +40,5 @@ mod operability;
 mod traces;
 // Hardening II: one row, message or handler never stalls, leaks or poisons the others.
 mod edges;
+// MassTransit on the wire: its envelope consumed once, its error and skipped queues and headers.
+mod masstransit;

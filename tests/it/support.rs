@@ -148,23 +148,7 @@ impl TestEnv {
 
     /// Publishes raw properties and body to this test's queue, confirmed.
     pub(crate) async fn publish_raw(&self, properties: BasicProperties, body: &[u8]) {
-        let connection = amqp().await;
-        let channel = connection.create_channel().await.unwrap();
-        channel.confirm_select(Default::default()).await.unwrap();
-        let confirm = channel
-            .basic_publish(
-                "".into(),
-                self.queue.as_str().into(),
-                BasicPublishOptions::default(),
-                body,
-                properties,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
-        connection.close(200, "done".into()).await.unwrap();
+        publish_to("", &self.queue, properties, body).await;
     }
 
     /// Takes one message from `queue` (acked), if there is one.
@@ -217,13 +201,17 @@ impl Drop for TestEnv {
         // tests use up to MAX_TIERS retry tiers. Deleting a queue that does
         // not exist is fine.
         let mut queues = Vec::new();
+        // Under either wire's names; with MassTransit's, each has an
+        // exchange of its name too.
+        let mut exchanges = Vec::new();
         for queue in std::iter::once(&self.queue).chain(&self.extra_queues) {
-            queues.extend((1..=MAX_TIERS).map(|tier| inbox::amqp::retry_queue(queue, tier)));
-            queues.extend([
-                inbox::amqp::error_queue(queue),
-                inbox::amqp::skipped_queue(queue),
-                queue.clone(),
-            ]);
+            for wire in [inbox::Wire::Inbox, inbox::Wire::Masstransit] {
+                queues.extend((1..=MAX_TIERS).map(|tier| wire.retry_queue(queue, tier)));
+                queues.extend([wire.error_queue(queue), wire.skipped_queue(queue)]);
+            }
+            queues.push(queue.clone());
+            let wire = inbox::Wire::Masstransit;
+            exchanges.extend([queue.clone(), wire.error_queue(queue), wire.skipped_queue(queue)]);
         }
         // Drop cannot await, and may run while a test panics: clean up on a
         // thread of its own with a runtime of its own.
@@ -242,6 +230,11 @@ impl Drop for TestEnv {
                                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                                 .await;
                         }
+                        for exchange in exchanges {
+                            let _ = channel
+                                .exchange_delete(exchange.as_str().into(), Default::default())
+                                .await;
+                        }
                     }
                     let _ = connection.close(200, "cleanup".into()).await;
                 }
@@ -253,6 +246,28 @@ impl Drop for TestEnv {
         });
         let _ = cleanup.join();
     }
+}
+
+/// Publishes raw properties and body to `exchange` with `routing_key`,
+/// confirmed.
+pub(crate) async fn publish_to(exchange: &str, routing_key: &str, properties: BasicProperties, body: &[u8]) {
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel.confirm_select(Default::default()).await.unwrap();
+    let confirm = channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions::default(),
+            body,
+            properties,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    connection.close(200, "done".into()).await.unwrap();
 }
 
 pub(crate) async fn amqp() -> Arc<Connection> {

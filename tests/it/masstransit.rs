@@ -1,0 +1,293 @@
+//! MassTransit on the wire (`message_bus.wire = "masstransit"`): what a
+//! MassTransit 8 producer publishes is processed once, and what fails or
+//! has no handler is set aside where MassTransit's tools look, with its
+//! headers.
+
+use std::sync::{Arc, Mutex};
+
+use inbox::lapin::BasicProperties;
+use inbox::masstransit::ENVELOPE_CONTENT_TYPE;
+use inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Permanent, UnitOfWork, Wire};
+use inbox_actors::Runtime;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::support::{TestEnv, Valid, amqp, header, increment, publish_to, wait_until};
+
+/// The test event as a MassTransit contract names it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Counted {
+    key: i64,
+}
+
+impl IntegrationEvent for Counted {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:Counted";
+}
+
+/// Counts each key; refuses key 7 for good, fails key 9 every time; keeps
+/// the contexts it saw.
+#[derive(Default)]
+struct CountAndRemember {
+    seen: Arc<Mutex<Vec<MessageContext>>>,
+}
+
+impl EventHandler<Counted> for CountAndRemember {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if let Some(context) = uow.context() {
+            self.seen.lock().unwrap().push(context.clone());
+        }
+        if event.key == 7 {
+            return Err(Permanent::new("key 7 is refused").into());
+        }
+        if event.key == 9 {
+            return Err("key 9 fails every time".into());
+        }
+        increment(uow, "counts", event.key).await
+    }
+
+    fn name(&self) -> &'static str {
+        "CountAndRemember"
+    }
+}
+
+/// An envelope in the shape MassTransit 8.5 writes (the captured one of
+/// `inbox::masstransit`'s tests), for `message_type` with `message`.
+fn envelope(id: Uuid, conversation: Uuid, message_type: &str, message: &str) -> String {
+    format!(
+        r#"{{
+  "messageId": "{id}",
+  "requestId": null,
+  "correlationId": null,
+  "conversationId": "{conversation}",
+  "initiatorId": "00ab0000-6ab3-f8b4-0000-08db7c836600",
+  "sourceAddress": "rabbitmq://localhost/orders",
+  "destinationAddress": "rabbitmq://localhost/{message_type}",
+  "responseAddress": null,
+  "faultAddress": null,
+  "messageType": [
+    "urn:message:{message_type}"
+  ],
+  "message": {message},
+  "expirationTime": null,
+  "sentTime": "2026-12-04T03:00:00.000000Z",
+  "headers": {{}},
+  "host": {{ "machineName": "orders-1", "processName": "Orders", "processId": 1 }}
+}}"#
+    )
+}
+
+/// Publishes `body` as MassTransit does: to `exchange`, routing key empty,
+/// the AMQP `message_id` the envelope's, its content type, persistent, no
+/// `type` property.
+async fn publish_as_masstransit(exchange: &str, id: Uuid, body: &str) {
+    let properties = BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+        .with_delivery_mode(2);
+    publish_to(exchange, "", properties, body.as_bytes()).await;
+}
+
+fn masstransit(env: &TestEnv) -> inbox::Settings {
+    let mut settings = env.settings();
+    settings.message_bus.wire = Wire::Masstransit;
+    settings
+}
+
+#[actix_rt::test]
+async fn a_masstransit_message_is_processed_once_and_its_context_reaches_the_handler() {
+    let env = TestEnv::new("mt_once").await;
+    let handler = CountAndRemember::default();
+    let seen = Arc::clone(&handler.seen);
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
+    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
+    let body = envelope(id, conversation, Counted::TYPE, r#"{"key": 1}"#);
+    // Sent to the endpoint's exchange, as MassTransit sends to a queue; and
+    // again, as a redelivery would.
+    publish_as_masstransit(&env.queue, id, &body).await;
+    publish_as_masstransit(&env.queue, id, &body).await;
+    wait_until("processed once and skipped once", || async {
+        let s = runtime.stats();
+        s.completed == 1 && s.duplicates == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 1).await, 1);
+    let seen = seen.lock().unwrap();
+    let context = &seen[0];
+    assert_eq!(context.message_id, id);
+    assert_eq!(context.event_type, Counted::TYPE);
+    assert_eq!(context.conversation_id, Some(conversation.to_string()));
+    assert_eq!(
+        context.initiator_id.as_deref(),
+        Some("00ab0000-6ab3-f8b4-0000-08db7c836600")
+    );
+    assert_eq!(
+        context.source_address.as_deref(),
+        Some("rabbitmq://localhost/orders")
+    );
+}
+
+#[actix_rt::test]
+async fn a_producer_publishing_the_type_reaches_the_queue_through_masstransits_exchanges() {
+    /// A type of this test's alone: its exchange is shared by whoever binds it.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Routed {
+        key: i64,
+    }
+    impl IntegrationEvent for Routed {
+        const TYPE: &'static str = "Inbox.Tests.MassTransit:Routed";
+    }
+    struct CountRouted;
+    impl EventHandler<Routed> for CountRouted {
+        async fn handle(&self, event: &Routed, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+            increment(uow, "counts", event.key).await
+        }
+    }
+    let env = TestEnv::new("mt_routed").await;
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountRouted)
+        .start()
+        .await
+        .unwrap();
+    let id = Uuid::now_v7();
+    let body = envelope(id, Uuid::now_v7(), Routed::TYPE, r#"{"key": 5}"#);
+    publish_as_masstransit(Routed::TYPE, id, &body).await;
+    wait_until(
+        "the message published to its type's exchange is processed",
+        || async { env.count("counts", 5).await == 1 },
+    )
+    .await;
+    runtime.shutdown().await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(Routed::TYPE.into(), Default::default())
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+#[actix_rt::test]
+async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_its_headers() {
+    let env = TestEnv::new("mt_set_aside").await;
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .unwrap();
+    let (refused, unknown, mismatched) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let refused_body = envelope(refused, Uuid::now_v7(), Counted::TYPE, r#"{"key": 7}"#);
+    publish_as_masstransit(&env.queue, refused, &refused_body).await;
+    let unknown_body = envelope(unknown, Uuid::now_v7(), "Inbox.Tests.MassTransit:Unknown", "{}");
+    publish_as_masstransit(&env.queue, unknown, &unknown_body).await;
+    // The AMQP message_id is not the envelope's: malformed.
+    let mismatched_body = envelope(Uuid::now_v7(), Uuid::now_v7(), Counted::TYPE, r#"{"key": 2}"#);
+    publish_as_masstransit(&env.queue, mismatched, &mismatched_body).await;
+    wait_until("all three are set aside", || async {
+        let s = runtime.stats();
+        s.rejected == 2 && s.skipped == 1
+    })
+    .await;
+    runtime.shutdown().await;
+
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    assert_eq!(error_queue, format!("{}_error", env.queue));
+    let mut errors = Vec::new();
+    while let Some(copy) = env.take(&error_queue).await {
+        errors.push(copy);
+    }
+    assert_eq!(errors.len(), 2);
+    let copy = errors
+        .iter()
+        .find(|c| c.properties.message_id().as_ref().map(|i| i.as_str()) == Some(&refused.to_string()))
+        .expect("the refused one is in Q_error");
+    assert_eq!(copy.data, refused_body.as_bytes(), "the envelope as it was sent");
+    assert_eq!(header(copy, "MT-Reason").as_deref(), Some("fault"));
+    assert_eq!(
+        header(copy, "MT-Fault-Message").as_deref(),
+        Some("key 7 is refused")
+    );
+    assert_eq!(
+        header(copy, "MT-Fault-MessageType").as_deref(),
+        Some("Inbox.Tests.MassTransit.Counted")
+    );
+    assert_eq!(
+        header(copy, "MT-Fault-ConsumerType").as_deref(),
+        Some("CountAndRemember")
+    );
+    assert_eq!(
+        header(copy, "MT-Fault-InputAddress"),
+        Some(format!("rabbitmq://127.0.0.1/{}", env.queue))
+    );
+    assert!(header(copy, "MT-Fault-Timestamp").is_some());
+    assert_eq!(
+        header(copy, "x-inbox-reason").as_deref(),
+        Some("key 7 is refused")
+    );
+    let malformed = errors
+        .iter()
+        .find(|c| c.properties.message_id().as_ref().map(|i| i.as_str()) == Some(&mismatched.to_string()))
+        .expect("the malformed one is in Q_error");
+    assert!(
+        header(malformed, "MT-Fault-Message").is_some_and(|m| m.contains("is not the envelope's messageId")),
+        "{:?}",
+        header(malformed, "MT-Fault-Message")
+    );
+
+    let skipped = env
+        .take(&Wire::Masstransit.skipped_queue(&env.queue))
+        .await
+        .expect("the unknown type is in Q_skipped");
+    assert_eq!(skipped.data, unknown_body.as_bytes());
+    assert_eq!(header(&skipped, "MT-Reason").as_deref(), Some("dead-letter"));
+    assert_eq!(env.count("counts", 7).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_failing_message_walks_the_delay_tiers_and_lands_in_q_error_with_its_counts() {
+    let env = TestEnv::new("mt_exhausted").await;
+    let mut settings = masstransit(&env);
+    settings.failure.immediate_retries = 1;
+    settings.failure.delays = vec![std::time::Duration::from_millis(100)];
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .unwrap();
+    let id = Uuid::now_v7();
+    let body = envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 9}"#);
+    publish_as_masstransit(&env.queue, id, &body).await;
+    wait_until("it is dead-lettered after its tier", || async {
+        let s = runtime.stats();
+        s.delayed == 1 && s.dead_lettered == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let copy = env
+        .take(&Wire::Masstransit.error_queue(&env.queue))
+        .await
+        .expect("in Q_error");
+    assert_eq!(
+        copy.data,
+        body.as_bytes(),
+        "the envelope came back from its tier as sent"
+    );
+    assert_eq!(header(&copy, "MT-Reason").as_deref(), Some("fault"));
+    assert_eq!(
+        header(&copy, "MT-Fault-ExceptionType").as_deref(),
+        Some("Inbox.AttemptsExhausted")
+    );
+    // Two attempts on each of two deliveries: three before the last.
+    assert_eq!(
+        header(&copy, "MT-Fault-RetryCount").as_deref(),
+        Some("LongInt(3)")
+    );
+    assert_eq!(
+        header(&copy, "MT-Redelivery-Count").as_deref(),
+        Some("LongInt(1)")
+    );
+}
