@@ -374,6 +374,11 @@ pub struct AmqpPublisher {
     confirm_timeout: Duration,
     /// The largest body [`Sink::send`](crate::Sink::send) lets out.
     max_message_size: usize,
+    /// How outbox rows go out ([`Sink::send`](crate::Sink::send)).
+    wire: Wire,
+    /// With MassTransit's wire, the type exchanges declared so far: each is
+    /// declared before its first publish, as MassTransit does.
+    declared: Arc<std::sync::Mutex<HashSet<String>>>,
 }
 
 impl std::fmt::Debug for AmqpPublisher {
@@ -442,6 +447,8 @@ impl AmqpPublisher {
             exchange: exchange.into(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             max_message_size: crate::limits::DEFAULT_MAX_MESSAGE_SIZE,
+            wire: Wire::Inbox,
+            declared: Arc::default(),
         })
     }
 
@@ -456,6 +463,7 @@ impl AmqpPublisher {
             .await?
             .with_confirm_timeout(settings.message_bus.confirm_timeout);
         publisher.max_message_size = settings.message_bus.max_message_size;
+        publisher.wire = settings.message_bus.wire;
         publisher.redial = Some(Arc::new(Redial {
             settings: settings.clone(),
             name: name.to_owned(),
@@ -476,6 +484,27 @@ impl AmqpPublisher {
     /// The largest body it sends as an outbox [`Sink`](crate::Sink).
     pub(crate) fn max_message_size(&self) -> usize {
         self.max_message_size
+    }
+
+    /// How it sends outbox rows.
+    pub(crate) fn wire(&self) -> Wire {
+        self.wire
+    }
+
+    /// Declares the durable fanout exchange `name` unless this publisher
+    /// already did: MassTransit publishes a type to its own exchange, and
+    /// declares it first.
+    pub(crate) async fn declare_fanout_once(&self, name: &str) -> Result<()> {
+        let known = self.declared.lock().map(|d| d.contains(name)).unwrap_or(false);
+        if known {
+            return Ok(());
+        }
+        let Publishing { channel, .. } = self.live_channel().await?;
+        fanout_exchange(&channel, name).await?;
+        if let Ok(mut declared) = self.declared.lock() {
+            declared.insert(name.to_owned());
+        }
+        Ok(())
     }
 
     /// Why a message with `properties` would not fit one frame of this

@@ -87,6 +87,12 @@ impl MessageContext {
         }
     }
 
+    /// With MassTransit's wire, the address of the queue it was consumed
+    /// from (`rabbitmq://host/queue`): the source of its follow-ups.
+    pub(crate) fn input_address(&self) -> Option<&str> {
+        self.envelope.input_address.as_deref()
+    }
+
     /// Every AMQP header, as received (untrusted).
     pub fn headers(&self) -> &FieldTable {
         &self.envelope.headers

@@ -33,6 +33,9 @@ pub struct Envelope {
     /// With MassTransit's wire: where the message comes from, as its
     /// envelope says (correlation, conversation, initiator, source).
     pub masstransit: Option<crate::masstransit::Context>,
+    /// With MassTransit's wire: the address of the queue it was consumed
+    /// from, as MassTransit writes it: the source of its follow-ups.
+    pub input_address: Option<String>,
     /// The span all work on this message runs in, named `process {queue}`
     /// after OpenTelemetry's messaging conventions (`messaging.system`,
     /// `messaging.destination.name`, `messaging.message.id`,
@@ -105,6 +108,7 @@ impl Envelope {
             attempt: 1,
             trace,
             masstransit: None,
+            input_address: None,
         })
     }
 
@@ -148,6 +152,7 @@ impl Envelope {
             attempt: 1,
             trace,
             masstransit: Some(decoded.context),
+            input_address: None,
         })
     }
 
@@ -190,6 +195,7 @@ impl Envelope {
             attempt: 1,
             trace,
             masstransit: None,
+            input_address: None,
         };
         envelope.consumed_from(consumer, consumer);
         Ok(envelope)
@@ -219,6 +225,7 @@ impl Envelope {
             attempt: 1,
             trace,
             masstransit: None,
+            input_address: None,
         };
         envelope.consumed_from(consumer, &outgoing.routing_key);
         envelope

@@ -29,7 +29,7 @@ use uuid::Uuid;
 use crate::amqp::AmqpPublisher;
 use crate::backoff::Backoff;
 use crate::error::Result;
-use crate::settings::OutboxSettings;
+use crate::settings::{OutboxSettings, Wire};
 use crate::unit_of_work::UnitOfWork;
 
 /// A message on its way out: staged by a unit of work until its commit,
@@ -67,6 +67,18 @@ impl Outgoing {
     /// panics in the client.
     pub fn properties(&self) -> BasicProperties {
         crate::amqp::message_properties(self.message_id, &self.message_type).with_headers(self.amqp_headers())
+    }
+
+    /// Its AMQP properties as MassTransit sets them
+    /// (RMQ/RabbitMqTransport/RabbitMqSendTransportContext.cs at v8.5.8):
+    /// its id as `message_id`, the envelope's content type, persistent, its
+    /// headers; no `type`.
+    pub fn masstransit_properties(&self) -> BasicProperties {
+        BasicProperties::default()
+            .with_message_id(self.message_id.to_string().into())
+            .with_content_type(crate::masstransit::ENVELOPE_CONTENT_TYPE.into())
+            .with_delivery_mode(2)
+            .with_headers(self.amqp_headers())
     }
 
     /// Why the broker would not take it, if it would not: a name (exchange,
@@ -208,12 +220,25 @@ impl Sink for AmqpPublisher {
                 reason,
             })));
         }
-        Box::pin(self.publish_to(
-            &outgoing.exchange,
-            &outgoing.routing_key,
-            outgoing.properties(),
-            &outgoing.body,
-        ))
+        match self.wire() {
+            Wire::Inbox => Box::pin(self.publish_to(
+                &outgoing.exchange,
+                &outgoing.routing_key,
+                outgoing.properties(),
+                &outgoing.body,
+            )),
+            Wire::Masstransit => Box::pin(async move {
+                self.declare_fanout_once(&outgoing.exchange).await?;
+                let properties = outgoing.masstransit_properties();
+                self.publish_to(
+                    &outgoing.exchange,
+                    &outgoing.routing_key,
+                    properties,
+                    &outgoing.body,
+                )
+                .await
+            }),
+        }
     }
 }
 

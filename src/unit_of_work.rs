@@ -12,6 +12,7 @@ use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::outbox::{OutboxRows, Outgoing};
+use crate::settings::Wire;
 use crate::trace::TraceContext;
 
 /// One message's open transaction over a pooled connection. The inbox claim
@@ -90,6 +91,9 @@ pub struct Outbox {
     pub exchange: std::sync::Arc<str>,
     /// `message_bus.max_message_size`: the largest body staged.
     pub max_message_size: usize,
+    /// `message_bus.wire`: MassTransit's stages each message to its type's
+    /// exchange, in its envelope.
+    pub wire: Wire,
     /// Notified after a commit that staged messages.
     pub wake: std::sync::Arc<tokio::sync::Notify>,
     /// `None`: staged as rows of `outbox_messages`. `Some`: held in memory
@@ -272,8 +276,8 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let headers = follow_up_headers(self.context());
-        self.stage_outgoing(headers, routing_key, message).await
+        let cause = self.context().cloned();
+        self.stage_outgoing(cause.as_ref(), routing_key, message).await
     }
 
     /// [`publish`](Self::publish), as a follow-up of `cause` (one of
@@ -284,17 +288,17 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        self.stage_outgoing(follow_up_headers(Some(cause)), routing_key, message)
-            .await
+        self.stage_outgoing(Some(cause), routing_key, message).await
     }
 
-    /// Stages `message` with `headers` (those of a follow-up, if it is one).
+    /// Stages `message`, as a follow-up of `cause` if it is one.
     async fn stage_outgoing<E: IntegrationEvent>(
         &mut self,
-        headers: Vec<(String, String)>,
+        cause: Option<&MessageContext>,
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
+        let headers = follow_up_headers(cause);
         let Some(outbox) = &self.outbox else {
             return Err(Error::Runtime(format!(
                 "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
@@ -302,13 +306,23 @@ impl UnitOfWork {
                 message.id
             )));
         };
+        let json = message.to_json()?;
+        let (exchange, body) = match outbox.wire {
+            Wire::Inbox => (outbox.exchange.to_string(), json),
+            // MassTransit publishes to the type's own fanout exchange, in
+            // its envelope.
+            Wire::Masstransit => (
+                E::TYPE.to_owned(),
+                masstransit_envelope(message.id, E::TYPE, &json, cause)?,
+            ),
+        };
         let outgoing = Outgoing {
             message_id: message.id,
-            exchange: outbox.exchange.to_string(),
+            exchange,
             routing_key: routing_key.to_owned(),
             message_type: E::TYPE.to_owned(),
             headers,
-            body: message.to_json()?,
+            body,
         };
         // Refused here, in the caller's transaction, rather than parked
         // after the commit: the broker would never take it.
@@ -438,6 +452,38 @@ impl UnitOfWork {
         self.finished = true;
         Ok(())
     }
+}
+
+/// The MassTransit envelope of a message staged now, as a follow-up of
+/// `cause` if any: its conversation carried over (or a new one), the
+/// handled message as its initiator, its correlation id carried over, the
+/// queue it was consumed from as the source.
+fn masstransit_envelope(
+    message_id: Uuid,
+    message_type: &'static str,
+    json: &[u8],
+    cause: Option<&MessageContext>,
+) -> Result<Vec<u8>> {
+    let conversation_id = cause
+        .and_then(|c| c.conversation_id.as_deref())
+        .and_then(|id| Uuid::try_parse(id).ok())
+        .unwrap_or_else(Uuid::now_v7);
+    let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
+    let envelope = crate::masstransit::Outgoing {
+        message_id,
+        message_type,
+        message: json,
+        conversation_id,
+        correlation_id: cause.and_then(|c| c.correlation_id.as_deref()),
+        initiator_id: cause.map(|c| c.message_id),
+        source_address: cause.and_then(|c| c.input_address()),
+        destination_address: None,
+        sent_time: &sent_time,
+    };
+    crate::masstransit::encode(&envelope).map_err(|source| Error::Serialize {
+        event_type: message_type,
+        source,
+    })
 }
 
 /// The headers of a message staged now, as a follow-up of `cause` if any:

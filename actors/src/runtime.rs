@@ -207,6 +207,7 @@ impl RuntimeBuilder {
         let outbox = Some(Outbox {
             exchange: settings.message_bus.exchange.as_str().into(),
             max_message_size: settings.message_bus.max_message_size,
+            wire: settings.message_bus.wire,
             wake: Arc::new(Notify::new()),
             after_commit,
         });

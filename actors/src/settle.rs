@@ -184,6 +184,9 @@ impl Settler {
         match self.dialect.decode(&mut delivery, &self.consumer) {
             Ok(mut envelope) => {
                 envelope.consumed_from(&self.queue, delivery.routing_key.as_str());
+                if envelope.masstransit.is_some() {
+                    envelope.input_address = Some(self.dialect.input_address.clone());
+                }
                 envelope.set_attempt(history.next_attempt());
                 Ok(Pending {
                     delivery,

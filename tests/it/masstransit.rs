@@ -291,3 +291,100 @@ async fn a_failing_message_walks_the_delay_tiers_and_lands_in_q_error_with_its_c
         Some("LongInt(1)")
     );
 }
+
+/// A follow-up as a MassTransit contract names it.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Recorded {
+    key: i64,
+    source_message_id: Uuid,
+}
+
+impl IntegrationEvent for Recorded {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:Recorded";
+}
+
+/// Stages one `Recorded` per event, through the outbox.
+struct Forward;
+
+impl EventHandler<Counted> for Forward {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let source_message_id = uow.context().map(|c| c.message_id).unwrap_or_default();
+        let recorded = Recorded {
+            key: event.key,
+            source_message_id,
+        };
+        uow.publish("", &inbox::Message::new(recorded)).await?;
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
+    let mut env = TestEnv::new("mt_follow_up").await;
+    // A MassTransit consumer of Recorded: its queue behind the type's
+    // fanout exchange.
+    let forward = env.another_queue("recorded");
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    inbox::amqp::declare_wire_topology(
+        &channel,
+        &inbox::QueueSettings::new(&forward),
+        &Default::default(),
+        Wire::Masstransit,
+        &[Recorded::TYPE],
+    )
+    .await
+    .unwrap();
+    connection.close(200, "declared".into()).await.unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(Forward)
+        .start()
+        .await
+        .unwrap();
+    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
+    let body = envelope(id, conversation, Counted::TYPE, r#"{"key": 3}"#);
+    publish_as_masstransit(&env.queue, id, &body).await;
+    wait_until("the follow-up arrives", || async {
+        env.ready(&forward).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+
+    let arrived = env.take(&forward).await.expect("the follow-up");
+    let properties = &arrived.properties;
+    assert_eq!(
+        properties.content_type().as_ref().map(|c| c.as_str()),
+        Some(ENVELOPE_CONTENT_TYPE)
+    );
+    assert_eq!(properties.kind(), &None, "MassTransit sets no AMQP type");
+    assert_eq!(properties.delivery_mode(), &Some(2));
+    // What a MassTransit consumer reads of it.
+    let decoded = inbox::masstransit::decode(properties, &arrived.data).unwrap();
+    assert_eq!(
+        properties.message_id().as_ref().map(|i| i.as_str().to_owned()),
+        Some(decoded.message_id.to_string())
+    );
+    assert_eq!(decoded.message_types, [Recorded::TYPE]);
+    assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+    assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+    assert_eq!(
+        decoded.context.source_address,
+        Some(format!("rabbitmq://127.0.0.1/{}", env.queue))
+    );
+    let message: Recorded = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(
+        message,
+        Recorded {
+            key: 3,
+            source_message_id: id
+        }
+    );
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(Recorded::TYPE.into(), Default::default())
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
