@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
-//!     [--forward-to QUEUE] [--http ADDR]
+//!     [--forward-to QUEUE] [--http ADDR] [--wire inbox|masstransit]
 //! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
 //!
@@ -21,6 +21,17 @@
 //! through the outbox, in the same transaction as its counts: a fresh
 //! `message_id`, the body `{"attendee_id", "session_id",
 //! "source_message_id"}`. A refused check-in forwards nothing.
+//!
+//! `--wire masstransit` speaks MassTransit 8 (docs/masstransit.md): it
+//! consumes `Conference.Contracts:AttendeeCheckedIn`
+//! (`{"attendeeId", "sessionId"}` in MassTransit's envelope), which a
+//! producer publishes to the exchange of that name with an empty routing
+//! key; errors go to `Q_error`, unknown types to `Q_skipped`; with
+//! `--forward-to F`, F is bound to the fanout exchange
+//! `Conference.Contracts:CheckinRecorded`, and each check-in stages one
+//! `CheckinRecorded` envelope (`{"attendeeId", "sessionId",
+//! "sourceMessageId"}`, its `initiatorId` the handled `messageId`, its
+//! `conversationId` carried over).
 //!
 //! `--http ADDR` (`127.0.0.1:9464`, say) serves, with actix-web on the
 //! runtime's own actix system:
@@ -52,9 +63,10 @@ mod common;
 use std::time::Duration;
 
 use actix_web::{App, HttpResponse, HttpServer, web};
-use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, ForwardCheckins};
+use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
+use inbox::IntegrationEvent;
 use inbox::{EventHandler, HandlerError, UnitOfWork};
-use inbox_actors::{HealthCheck, Probe, Runtime};
+use inbox_actors::{HealthCheck, Probe, Runtime, RuntimeBuilder};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tracing_subscriber::EnvFilter;
 
@@ -77,6 +89,7 @@ async fn run() -> inbox::Result<()> {
     if std::env::args().any(|a| a == "--remove") {
         return remove(&settings).await;
     }
+    let wire = settings.message_bus.wire;
     // Before the runtime is built: it registers its metrics as it builds.
     let http = match common::arg("--http") {
         Some(address) => Some((address, common::install_prometheus()?)),
@@ -93,28 +106,24 @@ async fn run() -> inbox::Result<()> {
             }
         })?;
     }
-    let mut builder = Runtime::builder(settings);
-    if common::arg("--abort-on-attendee").is_some() {
-        let attendee_id = common::parsed_arg("--abort-on-attendee", 0i64);
-        tracing::warn!(
-            attendee_id,
-            "--abort-on-attendee: this process aborts on that attendee's check-ins"
-        );
-        builder = builder.handler(AbortOn { attendee_id });
-    }
     let forward_to = common::arg("--forward-to");
-    builder = builder
-        .migrations(common::SCHEMA)
-        .handler(CountCheckins)
-        .handler(CountAttendance);
-    if let Some(queue) = &forward_to {
-        builder = builder.handler(ForwardCheckins { queue: queue.clone() });
-    }
+    let builder = Runtime::builder(settings).migrations(common::SCHEMA);
     // Ready, not consuming yet (its tables are there: `migrations`): the
     // queue for follow-ups first.
-    let runtime = builder.build().await?;
+    let runtime = match wire {
+        inbox::Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
+        inbox::Wire::Masstransit => {
+            with_handlers::<common::masstransit::AttendeeCheckedIn>(builder, forward_to.as_deref())
+        }
+    }
+    .build()
+    .await?;
     if let Some(queue) = &forward_to {
-        declare_forward_queue(runtime.settings(), queue).await?;
+        let recorded = match wire {
+            inbox::Wire::Inbox => None,
+            inbox::Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
+        };
+        declare_forward_queue(runtime.settings(), queue, recorded).await?;
     }
 
     // A progress line every few seconds.
@@ -213,15 +222,37 @@ async fn render_metrics(endpoints: web::Data<Endpoints>) -> HttpResponse {
         .body(endpoints.metrics.render())
 }
 
+/// The service's handlers for check-ins of contract `E` (this library's,
+/// or MassTransit's with `--wire masstransit`), in registration order.
+fn with_handlers<E: CheckIn>(mut builder: RuntimeBuilder, forward_to: Option<&str>) -> RuntimeBuilder {
+    if common::arg("--abort-on-attendee").is_some() {
+        let attendee_id = common::parsed_arg("--abort-on-attendee", 0i64);
+        tracing::warn!(
+            attendee_id,
+            "--abort-on-attendee: this process aborts on that attendee's check-ins"
+        );
+        builder = builder.handler::<E, _>(AbortOn { attendee_id });
+    }
+    builder = builder
+        .handler::<E, _>(CountCheckins)
+        .handler::<E, _>(CountAttendance);
+    if let Some(queue) = forward_to {
+        builder = builder.handler::<E, _>(ForwardCheckins {
+            queue: queue.to_owned(),
+        });
+    }
+    builder
+}
+
 /// Kills the process on one attendee's check-ins: a poison message that
 /// crashes its consumer on every delivery (`--abort-on-attendee`).
 struct AbortOn {
     attendee_id: i64,
 }
 
-impl EventHandler<AttendeeCheckedIn> for AbortOn {
-    async fn handle(&self, event: &AttendeeCheckedIn, _uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        if event.attendee_id == self.attendee_id {
+impl<E: CheckIn> EventHandler<E> for AbortOn {
+    async fn handle(&self, event: &E, _uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.attendee_id() == self.attendee_id {
             eprintln!(
                 "checkin_service: aborting on attendee {} (--abort-on-attendee)",
                 self.attendee_id
@@ -236,18 +267,21 @@ impl EventHandler<AttendeeCheckedIn> for AbortOn {
 async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --remove").await?;
     let channel = connection.create_channel().await?;
+    let wire = settings.message_bus.wire;
     for queue in &settings.queues {
         let q = queue.name.as_str();
-        let kept = (1..=settings.failure.delays.len()).map(|tier| inbox::amqp::retry_queue(q, tier));
-        for name in kept.chain([
-            inbox::amqp::error_queue(q),
-            inbox::amqp::skipped_queue(q),
-            q.to_owned(),
-        ]) {
+        let kept = (1..=settings.failure.delays.len()).map(|tier| wire.retry_queue(q, tier));
+        for name in kept.chain([wire.error_queue(q), wire.skipped_queue(q), q.to_owned()]) {
             let deleted = channel
                 .queue_delete(name.as_str().into(), Default::default())
                 .await?;
             println!("deleted queue {name} ({deleted} messages)");
+            if wire == inbox::Wire::Masstransit && !name.contains("_retry_") {
+                // MassTransit's endpoints have an exchange of their name.
+                channel
+                    .exchange_delete(name.as_str().into(), Default::default())
+                    .await?;
+            }
         }
     }
     connection.close(200, "removed".into()).await?;
@@ -258,11 +292,20 @@ async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
     Ok(())
 }
 
-/// Declares the queue follow-ups go to: durable and quorum, idempotently.
-async fn declare_forward_queue(settings: &inbox::Settings, queue: &str) -> inbox::Result<()> {
+/// Declares the queue follow-ups go to: durable and quorum, idempotently;
+/// with MassTransit's wire, bound to the fanout exchange of their type
+/// `recorded`, as a MassTransit consumer of it would be.
+async fn declare_forward_queue(
+    settings: &inbox::Settings,
+    queue: &str,
+    recorded: Option<&str>,
+) -> inbox::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
     inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;
+    if let Some(exchange) = recorded {
+        inbox::amqp::bind_to_fanout(&channel, queue, exchange).await?;
+    }
     connection.close(200, "declared".into()).await?;
     Ok(())
 }

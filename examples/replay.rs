@@ -3,10 +3,12 @@
 //!
 //! ```text
 //! cargo run --example replay -- [--queue NAME] [--from error|skipped|outbox] [--message-id UUID]...
+//!     [--wire masstransit]
 //! ```
 //!
 //! Without `--message-id`, every message in `NAME.error` (or, with `--from
-//! skipped`, `NAME.skipped`) goes back; with it, only those, and the others
+//! skipped`, `NAME.skipped`; with `--wire masstransit`, `NAME_error` and
+//! `NAME_skipped`, MassTransit's fault headers removed too) goes back; with it, only those, and the others
 //! stay where they were, in their order. `--from outbox` gives the outbox's
 //! dead rows (those that failed `outbox.max_attempts` publishes) another
 //! round of attempts, in the service's database. Each keeps its `message_id`, so one that was processed after
@@ -61,11 +63,13 @@ async fn run() -> inbox::Result<()> {
     };
     let queue = &settings.queues[0].name;
     let connection = amqp::connect(&settings, "inbox replay").await?;
-    let report = amqp::replay(&connection, queue, from, (!only.is_empty()).then_some(&only)).await?;
+    let wire = settings.message_bus.wire;
+    let only = (!only.is_empty()).then_some(&only);
+    let report = amqp::replay_on(wire, &connection, queue, from, only).await?;
     connection.close(200, "done".into()).await?;
     println!(
         "from={} to={queue} replayed={} left={}",
-        from.queue(queue),
+        from.queue_on(wire, queue),
         report.replayed,
         report.left
     );

@@ -793,8 +793,8 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances
     let mut runtimes = Vec::with_capacity(instances);
     for _ in 0..instances {
         let runtime = Runtime::builder(settings.clone().validate()?)
-            .handler(CountCheckins)
-            .handler(CountAttendance)
+            .handler::<AttendeeCheckedIn, _>(CountCheckins)
+            .handler::<AttendeeCheckedIn, _>(CountAttendance)
             .start()
             .await?;
         runtimes.push(runtime);
@@ -848,9 +848,9 @@ async fn forwarding(
     let forward = Forwarded::declare(connection, &settings.queues[0].name).await?;
     let started = Instant::now();
     let runtime = Runtime::builder(settings.validate()?)
-        .handler(CountCheckins)
-        .handler(CountAttendance)
-        .handler(common::ForwardCheckins {
+        .handler::<AttendeeCheckedIn, _>(CountCheckins)
+        .handler::<AttendeeCheckedIn, _>(CountAttendance)
+        .handler::<AttendeeCheckedIn, _>(common::ForwardCheckins {
             queue: forward.queue.clone(),
         })
         .start()

@@ -275,6 +275,31 @@ pub async fn declare_wire_topology(
     Ok(())
 }
 
+/// Binds `queue` to the durable fanout exchange `exchange`, declaring the
+/// exchange: how a MassTransit consumer of a message type receives what is
+/// published to the type's exchange (`Namespace:Type`).
+pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> Result<()> {
+    crate::limits::check_name("exchange", exchange).map_err(|reason| Error::Exchange {
+        exchange: crate::fault::truncate(exchange, 64).into_owned(),
+        reason,
+    })?;
+    fanout_exchange(channel, exchange).await?;
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| Error::Topology {
+            queue: queue.to_owned(),
+            reason: format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
+        })?;
+    Ok(())
+}
+
 /// Declares a durable fanout exchange named `name`, as MassTransit does
 /// for its endpoints and message types.
 async fn fanout_exchange(channel: &Channel, name: &str) -> Result<()> {
@@ -752,9 +777,15 @@ pub enum SetAside {
 impl SetAside {
     /// The queue's name, for consumed queue `queue`.
     pub fn queue(self, queue: &str) -> String {
+        self.queue_on(Wire::Inbox, queue)
+    }
+
+    /// The queue's name under `wire`'s names (`Q_error`, `Q_skipped` for
+    /// MassTransit's).
+    pub fn queue_on(self, wire: Wire, queue: &str) -> String {
         match self {
-            SetAside::Error => error_queue(queue),
-            SetAside::Skipped => skipped_queue(queue),
+            SetAside::Error => wire.error_queue(queue),
+            SetAside::Skipped => wire.skipped_queue(queue),
         }
     }
 }
@@ -785,7 +816,23 @@ pub async fn replay(
     from: SetAside,
     only: Option<&HashSet<Uuid>>,
 ) -> Result<ReplayReport> {
-    let source = from.queue(queue);
+    replay_on(Wire::Inbox, connection, queue, from, only).await
+}
+
+/// [`replay`] under `wire`'s names; with MassTransit's, from `Q_error` or
+/// `Q_skipped`, and MassTransit's fault headers are removed too.
+pub async fn replay_on(
+    wire: Wire,
+    connection: &Arc<Connection>,
+    queue: &str,
+    from: SetAside,
+    only: Option<&HashSet<Uuid>>,
+) -> Result<ReplayReport> {
+    let source = from.queue_on(wire, queue);
+    let mut removed = fault::headers::ALL.to_vec();
+    if wire == Wire::Masstransit {
+        removed.extend(crate::masstransit::headers::SET_ASIDE);
+    }
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
         passive: true,
@@ -817,7 +864,7 @@ pub async fn replay(
             .and_then(|id| Uuid::try_parse(id.as_str()).ok());
         let selected = only.is_none_or(|ids| id.is_some_and(|id| ids.contains(&id)));
         if selected {
-            let properties = without_headers(delivery.properties.clone(), &fault::headers::ALL);
+            let properties = without_headers(delivery.properties.clone(), &removed);
             publisher.publish_raw(queue, properties, &delivery.data).await?;
             report.replayed += 1;
         } else {

@@ -60,6 +60,22 @@ pub mod headers {
     /// AMQP headers (ABS/Contexts/SendContextExtensions.cs
     /// `ApplyRedeliveryOptions`).
     pub const REDELIVERY_COUNT: &str = "MT-Redelivery-Count";
+    /// The headers a move to `Q_error`, `Q_skipped` or a delay tier
+    /// writes: what a replay removes, so that the failure policy starts
+    /// afresh.
+    pub const SET_ASIDE: [&str; 11] = [
+        REASON,
+        FAULT_EXCEPTION_TYPE,
+        FAULT_MESSAGE,
+        FAULT_TIMESTAMP,
+        FAULT_STACK_TRACE,
+        FAULT_INPUT_ADDRESS,
+        FAULT_CONSUMER_TYPE,
+        FAULT_MESSAGE_TYPE,
+        FAULT_RETRY_COUNT,
+        REDELIVERY_COUNT,
+        "MT-Fault-RedeliveryCount",
+    ];
     /// Raw JSON: the message id.
     pub const MESSAGE_ID: &str = "MessageId";
     /// Raw JSON: the correlation id.

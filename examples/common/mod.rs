@@ -51,25 +51,98 @@ pub(crate) const COUNT_ATTENDANCES: &str = "INSERT INTO session_attendance (sess
      GROUP BY session_id ORDER BY session_id
      ON CONFLICT (session_id) DO UPDATE SET attendees = session_attendance.attendees + excluded.attendees";
 
+/// A check-in, in either wire's contract: this library's
+/// (`AttendeeCheckedIn`) or MassTransit's ([`masstransit`]). The handlers
+/// below take either.
+pub(crate) trait CheckIn: IntegrationEvent {
+    /// What is forwarded for it (`--forward-to`).
+    type Recorded: IntegrationEvent;
+    fn attendee_id(&self) -> i64;
+    fn session_id(&self) -> i64;
+    /// Its follow-up, for the message `source_message_id`.
+    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> Self::Recorded;
+}
+
+impl CheckIn for AttendeeCheckedIn {
+    type Recorded = CheckinRecorded;
+    fn attendee_id(&self) -> i64 {
+        self.attendee_id
+    }
+    fn session_id(&self) -> i64 {
+        self.session_id
+    }
+    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+        CheckinRecorded {
+            attendee_id: self.attendee_id,
+            session_id: self.session_id,
+            source_message_id,
+        }
+    }
+}
+
+/// The same contracts as a MassTransit estate names them
+/// (`message_bus.wire = "masstransit"`): `Namespace:Type`, camelCase.
+pub(crate) mod masstransit {
+    use serde::{Deserialize, Serialize};
+
+    /// `{"attendeeId": .., "sessionId": ..}`.
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub(crate) struct AttendeeCheckedIn {
+        pub(crate) attendee_id: i64,
+        pub(crate) session_id: i64,
+    }
+
+    impl inbox::IntegrationEvent for AttendeeCheckedIn {
+        const TYPE: &'static str = "Conference.Contracts:AttendeeCheckedIn";
+    }
+
+    /// `{"attendeeId": .., "sessionId": .., "sourceMessageId": ..}`.
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub(crate) struct CheckinRecorded {
+        pub(crate) attendee_id: i64,
+        pub(crate) session_id: i64,
+        pub(crate) source_message_id: inbox::uuid::Uuid,
+    }
+
+    impl inbox::IntegrationEvent for CheckinRecorded {
+        const TYPE: &'static str = "Conference.Contracts:CheckinRecorded";
+    }
+
+    impl super::CheckIn for AttendeeCheckedIn {
+        type Recorded = CheckinRecorded;
+        fn attendee_id(&self) -> i64 {
+            self.attendee_id
+        }
+        fn session_id(&self) -> i64 {
+            self.session_id
+        }
+        fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+            CheckinRecorded {
+                attendee_id: self.attendee_id,
+                session_id: self.session_id,
+                source_message_id,
+            }
+        }
+    }
+}
+
 /// Counts check-ins per attendee; refuses negative attendee ids (a
 /// deliberate business failure, to show the failure path).
 pub(crate) struct CountCheckins;
 
-impl EventHandler<AttendeeCheckedIn> for CountCheckins {
-    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+impl<E: CheckIn> EventHandler<E> for CountCheckins {
+    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         refuse_negative(event)?;
-        execute(uow, COUNT_CHECKIN, &[&event.attendee_id]).await
+        execute(uow, COUNT_CHECKIN, &[&event.attendee_id()]).await
     }
 
     /// One statement for the batch. A negative id fails the batch: the
     /// runtime then runs its messages one at a time, and only that one fails.
-    async fn handle_batch(
-        &self,
-        events: &[AttendeeCheckedIn],
-        uow: &mut UnitOfWork,
-    ) -> Result<(), HandlerError> {
+    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         events.iter().try_for_each(refuse_negative)?;
-        let ids: Vec<i64> = events.iter().map(|e| e.attendee_id).collect();
+        let ids: Vec<i64> = events.iter().map(CheckIn::attendee_id).collect();
         execute(uow, COUNT_CHECKINS, &[&ids]).await
     }
 }
@@ -82,9 +155,9 @@ async fn execute(uow: &UnitOfWork, sql: &str, params: &[&(dyn ToSql + Sync)]) ->
     Ok(())
 }
 
-fn refuse_negative(event: &AttendeeCheckedIn) -> Result<(), HandlerError> {
-    if event.attendee_id < 0 {
-        return Err(format!("attendee_id {} is negative", event.attendee_id).into());
+fn refuse_negative<E: CheckIn>(event: &E) -> Result<(), HandlerError> {
+    if event.attendee_id() < 0 {
+        return Err(format!("attendee_id {} is negative", event.attendee_id()).into());
     }
     Ok(())
 }
@@ -104,40 +177,26 @@ impl IntegrationEvent for CheckinRecorded {
 }
 
 /// Stages one `CheckinRecorded` per check-in, to `queue`, in the message's
-/// transaction: it leaves only if the check-in's effects commit.
+/// transaction: it leaves only if the check-in's effects commit. (With
+/// MassTransit's wire it goes to the type's exchange; `queue` is bound
+/// there.)
 pub(crate) struct ForwardCheckins {
     pub(crate) queue: String,
 }
 
-impl ForwardCheckins {
-    fn recorded(
-        event: &AttendeeCheckedIn,
-        source: &inbox::MessageContext,
-    ) -> inbox::Message<CheckinRecorded> {
-        inbox::Message::new(CheckinRecorded {
-            attendee_id: event.attendee_id,
-            session_id: event.session_id,
-            source_message_id: source.message_id,
-        })
-    }
-}
-
-impl EventHandler<AttendeeCheckedIn> for ForwardCheckins {
-    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let recorded = Self::recorded(event, uow.context().ok_or("no message context")?);
-        uow.publish(&self.queue, &recorded).await?;
+impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
+    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let source = uow.context().ok_or("no message context")?.message_id;
+        uow.publish(&self.queue, &inbox::Message::new(event.recorded(source)))
+            .await?;
         Ok(())
     }
 
-    async fn handle_batch(
-        &self,
-        events: &[AttendeeCheckedIn],
-        uow: &mut UnitOfWork,
-    ) -> Result<(), HandlerError> {
+    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         let sources = uow.contexts().to_vec();
         for (event, source) in events.iter().zip(&sources) {
-            uow.publish_caused_by(source, &self.queue, &Self::recorded(event, source))
-                .await?;
+            let recorded = inbox::Message::new(event.recorded(source.message_id));
+            uow.publish_caused_by(source, &self.queue, &recorded).await?;
         }
         Ok(())
     }
@@ -146,17 +205,13 @@ impl EventHandler<AttendeeCheckedIn> for ForwardCheckins {
 /// Counts attendees per session.
 pub(crate) struct CountAttendance;
 
-impl EventHandler<AttendeeCheckedIn> for CountAttendance {
-    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        execute(uow, COUNT_ATTENDANCE, &[&event.session_id]).await
+impl<E: CheckIn> EventHandler<E> for CountAttendance {
+    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        execute(uow, COUNT_ATTENDANCE, &[&event.session_id()]).await
     }
 
-    async fn handle_batch(
-        &self,
-        events: &[AttendeeCheckedIn],
-        uow: &mut UnitOfWork,
-    ) -> Result<(), HandlerError> {
-        let ids: Vec<i64> = events.iter().map(|e| e.session_id).collect();
+    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let ids: Vec<i64> = events.iter().map(CheckIn::session_id).collect();
         execute(uow, COUNT_ATTENDANCES, &[&ids]).await
     }
 }
@@ -280,6 +335,15 @@ pub(crate) fn settings() -> inbox::Result<ValidSettings> {
             settings.database.name = Some(DEFAULT_DATABASE.into());
         }
         settings.apply_conventional_urls();
+        match arg("--wire").as_deref() {
+            Some("masstransit") => settings.message_bus.wire = inbox::Wire::Masstransit,
+            Some("inbox") => settings.message_bus.wire = inbox::Wire::Inbox,
+            Some(other) => {
+                eprintln!("--wire takes inbox or masstransit, not `{other}`");
+                std::process::exit(2);
+            }
+            None => {}
+        }
         if let Some(queue) = arg("--queue") {
             settings.queues = vec![QueueSettings::new(queue)];
         } else if settings.queues.is_empty() {

@@ -14,7 +14,10 @@ use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
 use crate::outbox::with_forward_queue;
-use crate::support::{Counted, TestEnv, Valid, header, increment, publish_keys, wait_until};
+use crate::support::{
+    Counted, TestEnv, Valid, checkin_service, consumes, header, increment, publish_keys, start_service,
+    wait_until,
+};
 
 /// Stages a row as another process could: any exchange, any headers.
 async fn stage_row(env: &TestEnv, exchange: &str, routing_key: &str, headers: &str, key: i64) {
@@ -427,51 +430,6 @@ async fn after_broker_outages_longer_than_the_connect_timeout_one_consumer_remai
         stats.completed as usize, sent,
         "each published message once: {stats:?}"
     );
-}
-
-/// The example service's binary, which `cargo test` builds with the tests.
-fn checkin_service() -> std::path::PathBuf {
-    let deps = std::env::current_exe().unwrap();
-    let path = deps
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("examples/checkin_service");
-    assert!(
-        path.exists(),
-        "{} is not built: cargo build --examples",
-        path.display()
-    );
-    path
-}
-
-/// Starts the example service on database `database` and queue `queue`.
-fn start_service(database: &str, queue: &str, extra: &[&str]) -> std::process::Child {
-    std::process::Command::new(checkin_service())
-        .args(["--queue", queue])
-        .args(extra)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("INBOX__DATABASE__NAME", database)
-        .env("NO_COLOR", "1")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("the example service starts")
-}
-
-/// Reads `child`'s log until it says it consumes (true) or it exits (false).
-fn consumes(child: &mut std::process::Child) -> (bool, String) {
-    use std::io::BufRead;
-    let mut log = String::new();
-    let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in lines.map_while(Result::ok) {
-        log.push_str(&line);
-        log.push('\n');
-        if line.contains("consuming") {
-            return (true, log);
-        }
-    }
-    (false, log)
 }
 
 #[actix_rt::test]

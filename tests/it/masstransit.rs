@@ -12,7 +12,9 @@ use inbox_actors::Runtime;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::support::{TestEnv, Valid, amqp, header, increment, publish_to, wait_until};
+use crate::support::{
+    TestEnv, Valid, amqp, consumes, header, increment, publish_to, start_service, wait_until,
+};
 
 /// The test event as a MassTransit contract names it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -387,4 +389,147 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
+}
+
+#[actix_rt::test]
+async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
+    const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
+    const RECORDED: &str = "Conference.Contracts:CheckinRecorded";
+    let mut env = TestEnv::new("mt_example").await;
+    let forward = env.another_queue("recorded");
+    let mut service = start_service(
+        &env.database,
+        &env.queue,
+        &["--wire", "masstransit", "--forward-to", &forward],
+    );
+    let (started, log) = consumes(&mut service);
+    assert!(started, "the service did not start:\n{log}");
+
+    // A MassTransit producer publishes the type, twice (a redelivery),
+    // and a type the service has no handler for.
+    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
+    let body = envelope(
+        id,
+        conversation,
+        CHECKED_IN,
+        r#"{"attendeeId": 5, "sessionId": 9}"#,
+    );
+    publish_as_masstransit(CHECKED_IN, id, &body).await;
+    publish_as_masstransit(CHECKED_IN, id, &body).await;
+    let unknown = Uuid::now_v7();
+    let unknown_body = envelope(unknown, Uuid::now_v7(), "Conference.Contracts:Unknown", "{}");
+    publish_as_masstransit(&env.queue, unknown, &unknown_body).await;
+    let skipped = Wire::Masstransit.skipped_queue(&env.queue);
+    wait_until(
+        "the follow-up arrives and the unknown type is skipped",
+        || async { env.ready(&forward).await == 1 && env.ready(&skipped).await == 1 },
+    )
+    .await;
+    let _ = service.kill();
+    let _ = service.wait();
+
+    let checkins: i64 = env
+        .db()
+        .await
+        .query_one(
+            "SELECT checkins FROM attendee_checkins WHERE attendee_id = 5",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(checkins, 1, "once, the redelivery skipped");
+    let arrived = env.take(&forward).await.expect("the follow-up");
+    let decoded = inbox::masstransit::decode(&arrived.properties, &arrived.data).unwrap();
+    assert_eq!(decoded.message_types, [RECORDED]);
+    assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+    assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+    let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(
+        message,
+        serde_json::json!({"attendeeId": 5, "sessionId": 9, "sourceMessageId": id.to_string()})
+    );
+
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for exchange in [CHECKED_IN, RECORDED] {
+        channel
+            .exchange_delete(exchange.into(), Default::default())
+            .await
+            .unwrap();
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Refuses key 7 the first time only; counts; keeps the headers of each
+/// call for key 7.
+#[derive(Default)]
+struct RefusesOnce {
+    calls: Arc<Mutex<Vec<inbox::lapin::types::FieldTable>>>,
+}
+
+impl EventHandler<Counted> for RefusesOnce {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == 7 {
+            let headers = uow.context().map(|c| c.headers().clone()).unwrap_or_default();
+            let first = {
+                let mut calls = self.calls.lock().unwrap();
+                calls.push(headers);
+                calls.len() == 1
+            };
+            if first {
+                return Err(Permanent::new("not yet").into());
+            }
+        }
+        increment(uow, "counts", event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_message_replayed_from_q_error_runs_again_without_masstransits_fault_headers() {
+    let env = TestEnv::new("mt_replay").await;
+    let settings = masstransit(&env);
+    let handler = RefusesOnce::default();
+    let calls = Arc::clone(&handler.calls);
+    let runtime = Runtime::builder(settings.clone().valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
+    let id = Uuid::now_v7();
+    let body = envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 7}"#);
+    publish_as_masstransit(&env.queue, id, &body).await;
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    wait_until("it is in Q_error", || async {
+        env.ready(&error_queue).await == 1
+    })
+    .await;
+
+    let connection = inbox::amqp::connect(&settings, "test replay").await.unwrap();
+    let report = inbox::amqp::replay_on(
+        Wire::Masstransit,
+        &connection,
+        &env.queue,
+        inbox::amqp::SetAside::Error,
+        None,
+    )
+    .await
+    .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+    assert_eq!(report.replayed, 1);
+    wait_until("the replayed message is counted", || async {
+        env.count("counts", 7).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.ready(&error_queue).await, 0);
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), 2);
+    let replayed = &calls[1];
+    for removed in ["MT-Reason", "MT-Fault-Message", "x-inbox-reason"] {
+        assert!(
+            !replayed.contains_key(removed),
+            "{removed} was left on the replayed copy"
+        );
+    }
 }

@@ -362,10 +362,60 @@ impl Captured {
             .with_ansi(false)
             .with_max_level(tracing::Level::INFO)
             .finish();
-        tracing::subscriber::set_default(subscriber)
+        let guard = tracing::subscriber::set_default(subscriber);
+        // Tests run in parallel, each with a subscriber of its own thread:
+        // a callsite first reached on another thread while this one was
+        // being installed may have cached "nobody listens". Ask again.
+        tracing::callsite::rebuild_interest_cache();
+        guard
     }
 
     pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
+}
+
+/// The example service's binary, which `cargo test` builds with the tests.
+pub(crate) fn checkin_service() -> std::path::PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let path = deps
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples/checkin_service");
+    assert!(
+        path.exists(),
+        "{} is not built: cargo build --examples",
+        path.display()
+    );
+    path
+}
+
+/// Starts the example service on database `database` and queue `queue`.
+pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> std::process::Child {
+    std::process::Command::new(checkin_service())
+        .args(["--queue", queue])
+        .args(extra)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("INBOX__DATABASE__NAME", database)
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the example service starts")
+}
+
+/// Reads `child`'s log until it says it consumes (true) or it exits (false).
+pub(crate) fn consumes(child: &mut std::process::Child) -> (bool, String) {
+    use std::io::BufRead;
+    let mut log = String::new();
+    let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.map_while(Result::ok) {
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("consuming") {
+            return (true, log);
+        }
+    }
+    (false, log)
 }
