@@ -519,7 +519,7 @@ impl AmqpPublisher {
     /// Declares the durable fanout exchange `name` unless this publisher
     /// already did: MassTransit publishes a type to its own exchange, and
     /// declares it first.
-    pub(crate) async fn declare_fanout_once(&self, name: &str) -> Result<()> {
+    pub async fn declare_fanout_once(&self, name: &str) -> Result<()> {
         let known = self.declared.lock().map(|d| d.contains(name)).unwrap_or(false);
         if known {
             return Ok(());
@@ -609,7 +609,24 @@ impl AmqpPublisher {
             trace.insert_into(&mut headers);
             properties = properties.with_headers(headers);
         }
-        self.confirmed(exchange, routing_key, properties, body)
+        self.confirmed(exchange, routing_key, properties, body, true)
+            .instrument(span)
+            .await
+    }
+
+    /// Publishes to the fanout `exchange` (declared first, once), confirmed,
+    /// without `mandatory`: a message no queue is bound for is dropped by
+    /// the broker, as MassTransit's publishes are. For notifications that
+    /// may have no subscriber, such as MassTransit's `Fault<T>`.
+    pub async fn publish_to_subscribers(
+        &self,
+        exchange: &str,
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        self.declare_fanout_once(exchange).await?;
+        let span = publish_span(exchange, "", &properties, None);
+        self.confirmed(exchange, "", properties, body, false)
             .instrument(span)
             .await
     }
@@ -620,6 +637,7 @@ impl AmqpPublisher {
         routing_key: &str,
         properties: BasicProperties,
         body: &[u8],
+        mandatory: bool,
     ) -> Result<()> {
         let id = properties.message_id().as_ref().map(|id| id.as_str().to_owned());
         let message_id = id.clone().unwrap_or_else(|| "none".to_owned());
@@ -629,7 +647,8 @@ impl AmqpPublisher {
             reason,
         };
         let options = BasicPublishOptions {
-            mandatory: true, // an unroutable message comes back instead of vanishing
+            // With it, an unroutable message comes back instead of vanishing.
+            mandatory,
             ..BasicPublishOptions::default()
         };
         let Publishing {

@@ -394,6 +394,123 @@ pub fn stamp_redelivery(headers: &mut FieldTable, count: u32) {
     );
 }
 
+/// The exchange every `Fault<T>` exchange is bound to, as MassTransit's
+/// publish topology flattens `Fault<T>`'s hierarchy
+/// (RMQ/RabbitMqTransport/Topology/RabbitMqMessagePublishTopology.cs).
+pub const FAULT_EXCHANGE: &str = "MassTransit:Fault";
+
+/// The URN of `Fault<T>` for a type named `t` (ABS/MessageUrn.cs: a generic
+/// argument always carries its namespace).
+pub fn fault_urn(t: &str) -> String {
+    format!("{URN_PREFIX}MassTransit:Fault[[{t}]]")
+}
+
+/// The exchange `Fault<T>` is published to, for a type named `t`
+/// (MT/Transports/DefaultMessageNameFormatter.cs with RabbitMQ's
+/// separators: `--` around the arguments; an argument's namespace is left
+/// out when it is the generic type's own, `MassTransit`).
+pub fn fault_exchange(t: &str) -> String {
+    let argument = t.strip_prefix("MassTransit:").unwrap_or(t);
+    format!("{FAULT_EXCHANGE}--{argument}--")
+}
+
+/// A `Fault<T>` event, as MassTransit publishes one when a consumer's
+/// message lands in the error queue (MT/Events/FaultEvent.cs,
+/// MT/Contexts/ConsumeContextEndpointExtensions.cs `GenerateFault`).
+#[derive(Debug, Clone)]
+pub struct FaultEvent<'a> {
+    /// The fault's own id (its `faultId`, and its envelope's `messageId`).
+    pub fault_id: Uuid,
+    /// The message that faulted.
+    pub faulted_message_id: Uuid,
+    /// Its type name (`Namespace:Type`): the `T` of `Fault<T>`.
+    pub message_type: &'a str,
+    /// Its JSON.
+    pub message: &'a [u8],
+    /// In place of the .NET exception type.
+    pub exception_type: &'a str,
+    /// The failure's text.
+    pub reason: &'a str,
+    /// When it failed, ISO 8601 in UTC (also the envelope's `sentTime`).
+    pub timestamp: &'a str,
+    /// Where the faulted message came from: its conversation and
+    /// correlation go on.
+    pub context: &'a Context,
+    /// The address of the queue it faulted on.
+    pub input_address: &'a str,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FaultBody<'a> {
+    fault_id: String,
+    faulted_message_id: String,
+    timestamp: &'a str,
+    exceptions: [ExceptionInfo<'a>; 1],
+    host: Option<serde_json::Value>,
+    fault_message_types: [String; 1],
+    message: Box<RawValue>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ExceptionInfo<'a> {
+    exception_type: &'a str,
+    inner_exception: Option<serde_json::Value>,
+    stack_trace: &'a str,
+    message: &'a str,
+    source: &'a str,
+    data: Option<serde_json::Value>,
+}
+
+/// The envelope of `fault`, to publish to [`fault_exchange`]: its
+/// `messageType` is `Fault<T>`'s URN then `Fault`'s; its `initiatorId` the
+/// faulted message's correlation id, as MassTransit's
+/// (ABS/Contexts/SendContextExtensions.cs `TransferConsumeContextHeaders`).
+pub fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let reason = crate::fault::truncate(fault.reason, MAX_FAULT_TEXT);
+    let body = FaultBody {
+        fault_id: fault.fault_id.to_string(),
+        faulted_message_id: fault.faulted_message_id.to_string(),
+        timestamp: fault.timestamp,
+        exceptions: [ExceptionInfo {
+            exception_type: fault.exception_type,
+            inner_exception: None,
+            stack_trace: "",
+            message: reason.as_ref(),
+            source: "inbox",
+            data: None,
+        }],
+        host: None,
+        fault_message_types: [message_urn(fault.message_type)],
+        message: RawValue::from_string(String::from_utf8_lossy(fault.message).into_owned())?,
+    };
+    let message = serde_json::value::to_raw_value(&body)?;
+    let conversation = fault
+        .context
+        .conversation_id
+        .clone()
+        .or_else(|| Some(Uuid::now_v7().to_string()));
+    let envelope = JsonEnvelope {
+        message_id: Some(fault.fault_id.to_string()),
+        request_id: None,
+        correlation_id: fault.context.correlation_id.clone(),
+        conversation_id: conversation,
+        initiator_id: fault.context.correlation_id.clone(),
+        source_address: Some(fault.input_address.to_owned()),
+        destination_address: None,
+        response_address: None,
+        fault_address: None,
+        message_type: vec![fault_urn(fault.message_type), message_urn("MassTransit:Fault")],
+        message: Some(message),
+        expiration_time: None,
+        sent_time: Some(fault.timestamp.to_owned()),
+        headers: serde_json::Map::new(),
+        host: None,
+    };
+    serde_json::to_vec(&envelope)
+}
+
 /// What an envelope this runtime publishes says of the message.
 #[derive(Debug, Clone)]
 pub struct Outgoing<'a> {
@@ -673,6 +790,68 @@ mod tests {
             skipped.inner().get("MT-Redelivery-Count"),
             Some(&AMQPValue::LongInt(2))
         );
+    }
+
+    #[test]
+    fn a_fault_is_named_and_shaped_as_masstransits_fault_of_t() {
+        assert_eq!(
+            fault_urn("My.Contracts:OrderSubmitted"),
+            "urn:message:MassTransit:Fault[[My.Contracts:OrderSubmitted]]"
+        );
+        assert_eq!(
+            fault_exchange("My.Contracts:OrderSubmitted"),
+            "MassTransit:Fault--My.Contracts:OrderSubmitted--"
+        );
+        assert_eq!(fault_exchange("MassTransit:Ping"), "MassTransit:Fault--Ping--");
+        let (fault_id, faulted) = (Uuid::now_v7(), Uuid::now_v7());
+        let context = Context {
+            conversation_id: Some("c".into()),
+            ..Context::default()
+        };
+        let encoded = encode_fault(&FaultEvent {
+            fault_id,
+            faulted_message_id: faulted,
+            message_type: "My.Contracts:OrderSubmitted",
+            message: br#"{"orderId":1}"#,
+            exception_type: "Inbox.Rejected",
+            reason: "boom",
+            timestamp: "2026-12-04T03:00:00.000000Z",
+            context: &context,
+            input_address: "rabbitmq://localhost/orders",
+        })
+        .unwrap();
+        let properties = envelope_properties(Some(&fault_id.to_string()));
+        let decoded = decode(&properties, &encoded).unwrap();
+        assert_eq!(
+            decoded.message_types,
+            [
+                "MassTransit:Fault[[My.Contracts:OrderSubmitted]]",
+                "MassTransit:Fault"
+            ]
+        );
+        assert_eq!(decoded.context.conversation_id.as_deref(), Some("c"));
+        let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(body["faultedMessageId"], faulted.to_string());
+        assert_eq!(body["exceptions"][0]["message"], "boom");
+        assert_eq!(
+            body["faultMessageTypes"][0],
+            "urn:message:My.Contracts:OrderSubmitted"
+        );
+        assert_eq!(body["message"], serde_json::json!({"orderId": 1}));
+        let text = String::from_utf8(decoded.message).unwrap();
+        let order = [
+            "faultId",
+            "faultedMessageId",
+            "timestamp",
+            "exceptions",
+            "host",
+            "faultMessageTypes",
+        ];
+        let at: Vec<usize> = order
+            .iter()
+            .map(|f| text.find(&format!("\"{f}\":")).unwrap())
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
     }
 
     #[test]

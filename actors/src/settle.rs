@@ -470,6 +470,9 @@ impl Settler {
         }
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
+                if wire == Wire::Masstransit && matches!(to, Target::Exhausted | Target::Rejected) {
+                    self.publish_fault(delivery, body, &failure, to).await;
+                }
                 self.ack(delivery, ticket).await;
                 self.count(counter);
             }
@@ -484,6 +487,60 @@ impl Settler {
                 let result = self.window.nack(delivery, ticket, options).await;
                 check_settled(result, "nack", &self.stats);
             }
+        }
+    }
+
+    /// Publishes MassTransit's `Fault<T>` for a message now in `Q_error`, as
+    /// MassTransit does, to the exchange `MassTransit:Fault--T--`, for
+    /// whoever subscribes (a fault nobody subscribes to is dropped by the
+    /// broker). A notification: the message is safe in `Q_error` already,
+    /// so a fault that cannot be published is a WARN, not a reason to keep
+    /// the message. A delivery that is no MassTransit message at all gets
+    /// none (MassTransit would publish a `ReceiveFault`).
+    async fn publish_fault(&self, delivery: &Delivery, body: &[u8], failure: &Failure, to: Target) {
+        use inbox::masstransit::{ENVELOPE_CONTENT_TYPE, FaultEvent, decode, encode_fault, fault_exchange};
+        let Ok(decoded) = decode(&delivery.properties, body) else {
+            return;
+        };
+        let Some(message_type) = decoded
+            .message_types
+            .iter()
+            .find(|name| self.dialect.handled.contains(name))
+            .or(decoded.message_types.first())
+        else {
+            return;
+        };
+        let fault_id = inbox::uuid::Uuid::now_v7();
+        let timestamp = inbox::fault::now();
+        let fault = FaultEvent {
+            fault_id,
+            faulted_message_id: decoded.message_id,
+            message_type,
+            message: &decoded.message,
+            exception_type: if to == Target::Rejected {
+                "Inbox.Rejected"
+            } else {
+                "Inbox.AttemptsExhausted"
+            },
+            reason: &failure.reason,
+            timestamp: &timestamp,
+            context: &decoded.context,
+            input_address: &self.dialect.input_address,
+        };
+        let published = match encode_fault(&fault) {
+            Ok(envelope) => {
+                let properties = inbox::lapin::BasicProperties::default()
+                    .with_message_id(fault_id.to_string().into())
+                    .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+                    .with_delivery_mode(2);
+                self.forwarder
+                    .publish_to_subscribers(&fault_exchange(message_type), properties, &envelope)
+                    .await
+            }
+            Err(e) => Err(inbox::Error::Runtime(format!("cannot encode the fault: {e}"))),
+        };
+        if let Err(e) = published {
+            tracing::warn!(error = %e, "could not publish the message's Fault<{message_type}>; it is in the error queue all the same");
         }
     }
 

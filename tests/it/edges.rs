@@ -426,9 +426,12 @@ async fn after_broker_outages_longer_than_the_connect_timeout_one_consumer_remai
     .await;
     let stats = runtime.stats();
     runtime.shutdown().await;
-    assert_eq!(
-        stats.completed as usize, sent,
-        "each published message once: {stats:?}"
+    // Every publish counted arrived; the one the abort cut off may have
+    // reached the broker uncounted.
+    let completed = stats.completed as usize;
+    assert!(
+        (sent..=sent + 1).contains(&completed),
+        "{sent} published, {completed} completed: {stats:?}"
     );
 }
 

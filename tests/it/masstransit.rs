@@ -533,3 +533,76 @@ async fn a_message_replayed_from_q_error_runs_again_without_masstransits_fault_h
         );
     }
 }
+
+#[actix_rt::test]
+async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_type() {
+    /// A type of this test's alone: its fault exchange is shared by
+    /// whoever binds it.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Faulted {
+        key: i64,
+    }
+    impl IntegrationEvent for Faulted {
+        const TYPE: &'static str = "Inbox.Tests.MassTransit:Faulted";
+    }
+    struct Refuse;
+    impl EventHandler<Faulted> for Refuse {
+        async fn handle(&self, _: &Faulted, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+            Err(Permanent::new("refused").into())
+        }
+    }
+    let mut env = TestEnv::new("mt_fault").await;
+    // A MassTransit subscriber of Fault<Faulted>.
+    let faults = env.another_queue("faults");
+    let exchange = inbox::masstransit::fault_exchange(Faulted::TYPE);
+    assert_eq!(exchange, "MassTransit:Fault--Inbox.Tests.MassTransit:Faulted--");
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    inbox::amqp::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
+        .await
+        .unwrap();
+    inbox::amqp::bind_to_fanout(&channel, &faults, &exchange)
+        .await
+        .unwrap();
+    connection.close(200, "declared".into()).await.unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(Refuse)
+        .start()
+        .await
+        .unwrap();
+    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
+    let body = envelope(id, conversation, Faulted::TYPE, r#"{"key": 1}"#);
+    publish_as_masstransit(&env.queue, id, &body).await;
+    wait_until("the fault is published", || async {
+        env.ready(&faults).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+
+    let fault = env.take(&faults).await.expect("the fault");
+    let decoded = inbox::masstransit::decode(&fault.properties, &fault.data).unwrap();
+    assert_eq!(
+        decoded.message_types,
+        [
+            "MassTransit:Fault[[Inbox.Tests.MassTransit:Faulted]]",
+            "MassTransit:Fault"
+        ]
+    );
+    assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+    let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(body["faultedMessageId"], id.to_string());
+    assert_eq!(body["exceptions"][0]["message"], "refused");
+    assert_eq!(
+        body["faultMessageTypes"][0],
+        "urn:message:Inbox.Tests.MassTransit:Faulted"
+    );
+    assert_eq!(body["message"], serde_json::json!({"key": 1}));
+    assert_eq!(env.ready(&Wire::Masstransit.error_queue(&env.queue)).await, 1);
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
