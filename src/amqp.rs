@@ -524,6 +524,11 @@ impl AmqpPublisher {
         if known {
             return Ok(());
         }
+        // A name past 255 bytes would panic in the client.
+        crate::limits::check_name("exchange", name).map_err(|reason| Error::Exchange {
+            exchange: crate::fault::truncate(name, 64).into_owned(),
+            reason,
+        })?;
         let Publishing { channel, .. } = self.live_channel().await?;
         fanout_exchange(&channel, name).await?;
         if let Ok(mut declared) = self.declared.lock() {

@@ -87,14 +87,21 @@ impl Outgoing {
     /// encoded, or a body past `max_body` bytes. Checked at staging, and
     /// again at dispatch, since a row may come from any process.
     pub fn check(&self, max_body: usize) -> std::result::Result<(), String> {
-        use crate::limits::{check_body, check_name, check_properties};
+        self.check_names_and_body(max_body)?;
+        crate::limits::check_properties(&self.properties(), 0)
+    }
+
+    /// [`check`](Self::check) less the properties' encoded size, which the
+    /// publisher measures as it sends, against its connection's frame: at
+    /// dispatch, once per row.
+    fn check_names_and_body(&self, max_body: usize) -> std::result::Result<(), String> {
+        use crate::limits::{check_body, check_name};
         check_name("exchange", &self.exchange)?;
         check_name("routing key", &self.routing_key)?;
         check_name("type", &self.message_type)?;
         for (key, _) in &self.headers {
             check_name("header key", key)?;
         }
-        check_properties(&self.properties(), 0)?;
         check_body(self.body.len(), max_body)
     }
 }
@@ -213,7 +220,8 @@ impl Sink for AmqpPublisher {
         // round after round; headers past a frame would take the whole
         // connection down, and a body past the broker's limit the channel,
         // with every other publish in flight on them.
-        if let Err(reason) = outgoing.check(self.max_message_size()) {
+        // (Properties past a frame fail as `Unpublishable` in the publish.)
+        if let Err(reason) = outgoing.check_names_and_body(self.max_message_size()) {
             return Box::pin(std::future::ready(Err(crate::Error::Unpublishable {
                 message_id: outgoing.message_id.to_string(),
                 routing_key: crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),

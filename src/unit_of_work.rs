@@ -276,8 +276,9 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let cause = self.context().cloned();
-        self.stage_outgoing(cause.as_ref(), routing_key, message).await
+        let outgoing = outgoing(self.outbox.as_ref(), self.context(), routing_key, message)?;
+        self.held.push(outgoing);
+        Ok(())
     }
 
     /// [`publish`](Self::publish), as a follow-up of `cause` (one of
@@ -288,51 +289,7 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        self.stage_outgoing(Some(cause), routing_key, message).await
-    }
-
-    /// Stages `message`, as a follow-up of `cause` if it is one.
-    async fn stage_outgoing<E: IntegrationEvent>(
-        &mut self,
-        cause: Option<&MessageContext>,
-        routing_key: &str,
-        message: &Message<E>,
-    ) -> Result<()> {
-        let headers = follow_up_headers(cause);
-        let Some(outbox) = &self.outbox else {
-            return Err(Error::Runtime(format!(
-                "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
-                 of work not from the runtime)",
-                message.id
-            )));
-        };
-        let json = message.to_json()?;
-        let (exchange, body) = match outbox.wire {
-            Wire::Inbox => (outbox.exchange.to_string(), json),
-            // MassTransit publishes to the type's own fanout exchange, in
-            // its envelope.
-            Wire::Masstransit => (
-                E::TYPE.to_owned(),
-                masstransit_envelope(message.id, E::TYPE, &json, cause)?,
-            ),
-        };
-        let outgoing = Outgoing {
-            message_id: message.id,
-            exchange,
-            routing_key: routing_key.to_owned(),
-            message_type: E::TYPE.to_owned(),
-            headers,
-            body,
-        };
-        // Refused here, in the caller's transaction, rather than parked
-        // after the commit: the broker would never take it.
-        if let Err(reason) = outgoing.check(outbox.max_message_size) {
-            return Err(Error::Unpublishable {
-                message_id: message.id.to_string(),
-                routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
-                reason,
-            });
-        }
+        let outgoing = outgoing(self.outbox.as_ref(), Some(cause), routing_key, message)?;
         self.held.push(outgoing);
         Ok(())
     }
@@ -452,6 +409,51 @@ impl UnitOfWork {
         self.finished = true;
         Ok(())
     }
+}
+
+/// The row `message` stages through `outbox`, as a follow-up of `cause` if
+/// it is one; refused here, in the caller's transaction, when the broker
+/// would never take it.
+fn outgoing<E: IntegrationEvent>(
+    outbox: Option<&Outbox>,
+    cause: Option<&MessageContext>,
+    routing_key: &str,
+    message: &Message<E>,
+) -> Result<Outgoing> {
+    let headers = follow_up_headers(cause);
+    let Some(outbox) = outbox else {
+        return Err(Error::Runtime(format!(
+            "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
+             of work not from the runtime)",
+            message.id
+        )));
+    };
+    let json = message.to_json()?;
+    let (exchange, body) = match outbox.wire {
+        Wire::Inbox => (outbox.exchange.to_string(), json),
+        // MassTransit publishes to the type's own fanout exchange, in
+        // its envelope.
+        Wire::Masstransit => (
+            E::TYPE.to_owned(),
+            masstransit_envelope(message.id, E::TYPE, &json, cause)?,
+        ),
+    };
+    let outgoing = Outgoing {
+        message_id: message.id,
+        exchange,
+        routing_key: routing_key.to_owned(),
+        message_type: E::TYPE.to_owned(),
+        headers,
+        body,
+    };
+    if let Err(reason) = outgoing.check(outbox.max_message_size) {
+        return Err(Error::Unpublishable {
+            message_id: message.id.to_string(),
+            routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
+            reason,
+        });
+    }
+    Ok(outgoing)
 }
 
 /// The MassTransit envelope of a message staged now, as a follow-up of

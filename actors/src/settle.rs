@@ -117,13 +117,13 @@ impl Dialect {
     }
 }
 
-/// A move: where to, why, the body to copy, and the message's type (empty
-/// when it could not be decoded).
+/// A move: where to, why, the body to copy, and the message as decoded
+/// (`None` when it could not be).
 struct Moved<'a> {
     to: Target,
     failure: Failure,
     body: &'a [u8],
-    message_type: &'a str,
+    envelope: Option<&'a Envelope>,
 }
 
 /// A decoded delivery waiting for its outcome.
@@ -276,7 +276,7 @@ impl Settler {
                     to,
                     failure,
                     body: &delivery.data,
-                    message_type: "",
+                    envelope: None,
                 };
                 self.move_to(moved, &delivery, ticket).await;
             }
@@ -373,12 +373,11 @@ impl Settler {
                             Some(_) => &delivery.data,
                             None => &envelope.body,
                         };
-                        let message_type = &envelope.event_type;
                         let moved = Moved {
                             to,
                             failure,
                             body,
-                            message_type,
+                            envelope: Some(&envelope),
                         };
                         self.move_to(moved, &delivery, ticket).await;
                         return;
@@ -412,8 +411,9 @@ impl Settler {
             to,
             failure,
             body,
-            message_type,
+            envelope,
         } = moved;
+        let message_type = envelope.map_or("", |e| e.event_type.as_str());
         let wire = self.dialect.wire;
         let (queue, counter) = match to {
             Target::RetryTier(tier) => (wire.retry_queue(&self.queue, tier), Counter::Delayed),
@@ -434,11 +434,15 @@ impl Settler {
             history: failure.history.clone(),
             source_queue: &self.queue,
         };
+        // The fault headers, both wires' for MassTransit's.
+        let stamp = |headers: &mut inbox::lapin::types::FieldTable| {
+            fault.stamp(headers);
+            if wire == Wire::Masstransit {
+                self.stamp_masstransit(headers, to, &failure, message_type);
+            }
+        };
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-        fault.stamp(&mut headers);
-        if wire == Wire::Masstransit {
-            self.stamp_masstransit(&mut headers, to, &failure, message_type);
-        }
+        stamp(&mut headers);
         let mut properties = delivery.properties.clone().with_headers(headers);
         if let Err(too_large) = self.forwarder.check_fits(&properties).await {
             // The headers it came with are untrusted, and with the fault
@@ -453,10 +457,7 @@ impl Settler {
                 .map_or(0, |h| h.inner().len());
             tracing::warn!(%too_large, dropped, "the message's headers do not fit one frame with the fault headers; moving it without them");
             let mut headers = inbox::lapin::types::FieldTable::default();
-            fault.stamp(&mut headers);
-            if wire == Wire::Masstransit {
-                self.stamp_masstransit(&mut headers, to, &failure, message_type);
-            }
+            stamp(&mut headers);
             let note = format!("{dropped} headers dropped: {too_large}");
             headers.insert(
                 inbox::fault::headers::DROPPED_HEADERS.into(),
@@ -470,8 +471,10 @@ impl Settler {
         }
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
-                if wire == Wire::Masstransit && matches!(to, Target::Exhausted | Target::Rejected) {
-                    self.publish_fault(delivery, body, &failure, to).await;
+                if let Some(envelope) = envelope
+                    && matches!(to, Target::Exhausted | Target::Rejected)
+                {
+                    self.publish_fault(envelope, &failure, to).await;
                 }
                 self.ack(delivery, ticket).await;
                 self.count(counter);
@@ -495,36 +498,25 @@ impl Settler {
     /// whoever subscribes (a fault nobody subscribes to is dropped by the
     /// broker). A notification: the message is safe in `Q_error` already,
     /// so a fault that cannot be published is a WARN, not a reason to keep
-    /// the message. A delivery that is no MassTransit message at all gets
-    /// none (MassTransit would publish a `ReceiveFault`).
-    async fn publish_fault(&self, delivery: &Delivery, body: &[u8], failure: &Failure, to: Target) {
-        use inbox::masstransit::{ENVELOPE_CONTENT_TYPE, FaultEvent, decode, encode_fault, fault_exchange};
-        let Ok(decoded) = decode(&delivery.properties, body) else {
+    /// the message. A delivery that did not decode gets none (MassTransit
+    /// would publish a `ReceiveFault`).
+    async fn publish_fault(&self, envelope: &Envelope, failure: &Failure, to: Target) {
+        use inbox::masstransit::{ENVELOPE_CONTENT_TYPE, FaultEvent, encode_fault, fault_exchange};
+        let Some(context) = &envelope.masstransit else {
             return;
         };
-        let Some(message_type) = decoded
-            .message_types
-            .iter()
-            .find(|name| self.dialect.handled.contains(name))
-            .or(decoded.message_types.first())
-        else {
-            return;
-        };
+        let message_type = envelope.event_type.as_str();
         let fault_id = inbox::uuid::Uuid::now_v7();
         let timestamp = inbox::fault::now();
         let fault = FaultEvent {
             fault_id,
-            faulted_message_id: decoded.message_id,
+            faulted_message_id: envelope.message_id,
             message_type,
-            message: &decoded.message,
-            exception_type: if to == Target::Rejected {
-                "Inbox.Rejected"
-            } else {
-                "Inbox.AttemptsExhausted"
-            },
+            message: &envelope.body,
+            exception_type: exception_type(to),
             reason: &failure.reason,
             timestamp: &timestamp,
-            context: &decoded.context,
+            context,
             input_address: &self.dialect.input_address,
         };
         let published = match encode_fault(&fault) {
@@ -564,11 +556,7 @@ impl Settler {
                     headers,
                     &Fault {
                         message: &failure.reason,
-                        exception_type: if to == Target::Rejected {
-                            "Inbox.Rejected"
-                        } else {
-                            "Inbox.AttemptsExhausted"
-                        },
+                        exception_type: exception_type(to),
                         consumer_type: &stage,
                         message_type,
                         input_address: &self.dialect.input_address,
@@ -582,6 +570,15 @@ impl Settler {
 
     async fn ack(&self, delivery: &Delivery, ticket: Ticket) {
         check_settled(self.window.ack(delivery, ticket).await, "ack", &self.stats);
+    }
+}
+
+/// What MassTransit's headers and `Fault<T>` say in place of an exception
+/// type, for a message moved to `Q_error` as `to`.
+fn exception_type(to: Target) -> &'static str {
+    match to {
+        Target::Rejected => "Inbox.Rejected",
+        _ => "Inbox.AttemptsExhausted",
     }
 }
 
