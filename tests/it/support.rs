@@ -338,13 +338,33 @@ where
     }
 }
 
-/// Collects what a tracing subscriber writes, for tests of the logs.
+/// Collects what the tracing subscriber writes on this test's thread, for
+/// tests of the logs.
 #[derive(Clone, Default)]
 pub(crate) struct Captured(Arc<Mutex<Vec<u8>>>);
 
-impl std::io::Write for Captured {
+std::thread_local! {
+    /// Where this thread's log lines go while a test captures them.
+    static CAPTURING: std::cell::RefCell<Option<Captured>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The test binary's one subscriber writes each line to the capture of the
+/// thread that logged it, if any.
+///
+/// One global subscriber rather than one `set_default` per test: tracing
+/// caches whether a log site is enabled the first time any thread reaches
+/// it, and with per-thread subscribers it asks only the thread that got
+/// there first. A site first reached by a test that captures nothing was
+/// then off for every test, and a captured line went missing now and then.
+struct ThreadCapture;
+
+impl std::io::Write for ThreadCapture {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
+        CAPTURING.with(|capturing| {
+            if let Some(captured) = capturing.borrow().as_ref() {
+                captured.0.lock().unwrap().extend_from_slice(buf);
+            }
+        });
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -352,22 +372,30 @@ impl std::io::Write for Captured {
     }
 }
 
+/// Stops a capture when dropped.
+pub(crate) struct Capturing;
+
+impl Drop for Capturing {
+    fn drop(&mut self) {
+        CAPTURING.with(|capturing| capturing.borrow_mut().take());
+    }
+}
+
 impl Captured {
     /// Captures this thread's INFO and above until the guard drops (the
     /// test's actix system runs on this thread).
-    pub(crate) fn install(&self) -> tracing::subscriber::DefaultGuard {
-        let writer = self.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .finish();
-        let guard = tracing::subscriber::set_default(subscriber);
-        // Tests run in parallel, each with a subscriber of its own thread:
-        // a callsite first reached on another thread while this one was
-        // being installed may have cached "nobody listens". Ask again.
-        tracing::callsite::rebuild_interest_cache();
-        guard
+    pub(crate) fn install(&self) -> Capturing {
+        static SUBSCRIBER: std::sync::Once = std::sync::Once::new();
+        SUBSCRIBER.call_once(|| {
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(|| ThreadCapture)
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .finish();
+            tracing::subscriber::set_global_default(subscriber).expect("the test binary's one subscriber");
+        });
+        CAPTURING.with(|capturing| *capturing.borrow_mut() = Some(self.clone()));
+        Capturing
     }
 
     pub(crate) fn text(&self) -> String {
