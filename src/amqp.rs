@@ -257,19 +257,7 @@ pub async fn declare_wire_topology(
         bind_queue(channel, &queue.name).await?;
         for message_type in message_types {
             fanout_exchange(channel, message_type).await?;
-            channel
-                .exchange_bind(
-                    queue.name.as_str().into(),
-                    (*message_type).into(),
-                    "".into(),
-                    ExchangeBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| Error::Exchange {
-                    exchange: (*message_type).to_owned(),
-                    reason: format!("binding it to exchange `{}`: {}", queue.name, crate::describe(&e)),
-                })?;
+            bind_exchange(channel, message_type, &queue.name).await?;
         }
     }
     Ok(())
@@ -298,6 +286,24 @@ pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> R
             reason: format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
         })?;
     Ok(())
+}
+
+/// Binds exchange `source` to exchange `destination`: what `source` takes,
+/// `destination` takes too.
+async fn bind_exchange(channel: &Channel, source: &str, destination: &str) -> Result<()> {
+    channel
+        .exchange_bind(
+            destination.into(),
+            source.into(),
+            "".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| Error::Exchange {
+            exchange: source.to_owned(),
+            reason: format!("binding it to exchange `{destination}`: {}", crate::describe(&e)),
+        })
 }
 
 /// Declares a durable fanout exchange named `name`, as MassTransit does
@@ -516,21 +522,30 @@ impl AmqpPublisher {
         self.wire
     }
 
-    /// Declares the durable fanout exchange `name` unless this publisher
-    /// already did: MassTransit publishes a type to its own exchange, and
-    /// declares it first.
-    pub async fn declare_fanout_once(&self, name: &str) -> Result<()> {
+    /// Declares the durable fanout exchange of a published type, `name`,
+    /// unless this publisher already did, bound to the exchanges of the
+    /// types it `implements`: MassTransit's publish topology, declared
+    /// before a type's first publish (RMQ/RabbitMqTransport/Topology/
+    /// RabbitMqMessagePublishTopology.cs `Apply` at v8.5.8), through which
+    /// a `Fault<T>` reaches `MassTransit:Fault`'s subscribers too.
+    pub async fn declare_type_exchange(&self, name: &str, implements: &[&str]) -> Result<()> {
         let known = self.declared.lock().map(|d| d.contains(name)).unwrap_or(false);
         if known {
             return Ok(());
         }
-        // A name past 255 bytes would panic in the client.
-        crate::limits::check_name("exchange", name).map_err(|reason| Error::Exchange {
-            exchange: crate::fault::truncate(name, 64).into_owned(),
-            reason,
-        })?;
+        for exchange in std::iter::once(&name).chain(implements) {
+            // A name past 255 bytes would panic in the client.
+            crate::limits::check_name("exchange", exchange).map_err(|reason| Error::Exchange {
+                exchange: crate::fault::truncate(exchange, 64).into_owned(),
+                reason,
+            })?;
+        }
         let Publishing { channel, .. } = self.live_channel().await?;
         fanout_exchange(&channel, name).await?;
+        for implemented in implements {
+            fanout_exchange(&channel, implemented).await?;
+            bind_exchange(&channel, name, implemented).await?;
+        }
         if let Ok(mut declared) = self.declared.lock() {
             declared.insert(name.to_owned());
         }
@@ -572,11 +587,25 @@ impl AmqpPublisher {
     }
 
     /// Publishes `message` with its id as `message_id`, its type as `type`,
-    /// JSON content and persistent delivery.
+    /// JSON content and persistent delivery, to this publisher's exchange
+    /// with `routing_key`. With `message_bus.wire = "masstransit"`, as
+    /// MassTransit publishes it: in its envelope (a new conversation), to
+    /// the type's own exchange, for whoever subscribes (`routing_key` is
+    /// not used).
     pub async fn publish<E: IntegrationEvent>(&self, routing_key: &str, message: &Message<E>) -> Result<()> {
-        let properties = message_properties(message.id, E::TYPE);
-        self.publish_raw(routing_key, properties, &message.to_json()?)
-            .await
+        let json = message.to_json()?;
+        match self.wire {
+            Wire::Inbox => {
+                let properties = message_properties(message.id, E::TYPE);
+                self.publish_raw(routing_key, properties, &json).await
+            }
+            Wire::Masstransit => {
+                let envelope = crate::masstransit::envelope_now(message.id, E::TYPE, &json, None)?;
+                let properties = crate::masstransit::properties(message.id);
+                self.publish_to_subscribers(E::TYPE, &[], properties, &envelope)
+                    .await
+            }
+        }
     }
 
     /// Publishes `body` with `properties` as they are (with the
@@ -602,8 +631,37 @@ impl AmqpPublisher {
         &self,
         exchange: &str,
         routing_key: &str,
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        self.traced(exchange, routing_key, properties, body, true).await
+    }
+
+    /// Publishes to the fanout exchange of a type, `exchange` (declared
+    /// first, once, with the exchanges of the types it `implements`),
+    /// confirmed, without `mandatory`: a message no queue is bound for is
+    /// dropped by the broker, as MassTransit's publishes are. An event's
+    /// subscribers are who binds a queue to its exchange, and there may be
+    /// none yet.
+    pub async fn publish_to_subscribers(
+        &self,
+        exchange: &str,
+        implements: &[&str],
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        self.declare_type_exchange(exchange, implements).await?;
+        self.traced(exchange, "", properties, body, false).await
+    }
+
+    /// A confirmed publish in its span (see [`publish_to`](Self::publish_to)).
+    async fn traced(
+        &self,
+        exchange: &str,
+        routing_key: &str,
         mut properties: BasicProperties,
         body: &[u8],
+        mandatory: bool,
     ) -> Result<()> {
         let carried = properties.headers().as_ref().and_then(TraceContext::from_headers);
         let span = publish_span(exchange, routing_key, &properties, carried.as_ref());
@@ -614,24 +672,7 @@ impl AmqpPublisher {
             trace.insert_into(&mut headers);
             properties = properties.with_headers(headers);
         }
-        self.confirmed(exchange, routing_key, properties, body, true)
-            .instrument(span)
-            .await
-    }
-
-    /// Publishes to the fanout `exchange` (declared first, once), confirmed,
-    /// without `mandatory`: a message no queue is bound for is dropped by
-    /// the broker, as MassTransit's publishes are. For notifications that
-    /// may have no subscriber, such as MassTransit's `Fault<T>`.
-    pub async fn publish_to_subscribers(
-        &self,
-        exchange: &str,
-        properties: BasicProperties,
-        body: &[u8],
-    ) -> Result<()> {
-        self.declare_fanout_once(exchange).await?;
-        let span = publish_span(exchange, "", &properties, None);
-        self.confirmed(exchange, "", properties, body, false)
+        self.confirmed(exchange, routing_key, properties, body, mandatory)
             .instrument(span)
             .await
     }

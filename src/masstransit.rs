@@ -558,6 +558,48 @@ pub fn encode(outgoing: &Outgoing<'_>) -> Result<Vec<u8>, serde_json::Error> {
     serde_json::to_vec(&envelope)
 }
 
+/// The envelope of a message sent now, as a follow-up of `cause` if it is
+/// one: its conversation carried over (or a new one), the handled message
+/// as its initiator, its correlation id carried over, the queue it was
+/// consumed from as the source.
+pub(crate) fn envelope_now(
+    message_id: Uuid,
+    message_type: &'static str,
+    json: &[u8],
+    cause: Option<&crate::MessageContext>,
+) -> crate::Result<Vec<u8>> {
+    let conversation_id = cause
+        .and_then(|c| c.conversation_id.as_deref())
+        .and_then(|id| Uuid::try_parse(id).ok())
+        .unwrap_or_else(Uuid::now_v7);
+    let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
+    let envelope = Outgoing {
+        message_id,
+        message_type,
+        message: json,
+        conversation_id,
+        correlation_id: cause.and_then(|c| c.correlation_id.as_deref()),
+        initiator_id: cause.map(|c| c.message_id),
+        source_address: cause.and_then(|c| c.input_address()),
+        destination_address: None,
+        sent_time: &sent_time,
+    };
+    encode(&envelope).map_err(|source| crate::Error::Serialize {
+        event_type: message_type,
+        source,
+    })
+}
+
+/// The AMQP properties of an envelope with id `message_id`, as MassTransit
+/// sets them (RMQ/RabbitMqTransport/RabbitMqSendTransportContext.cs): the
+/// id as `message_id`, the envelope's content type, persistent; no `type`.
+pub fn properties(message_id: Uuid) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(message_id.to_string().into())
+        .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+        .with_delivery_mode(2)
+}
+
 #[cfg(test)]
 mod tests {
     use lapin::types::LongString;

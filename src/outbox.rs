@@ -74,11 +74,7 @@ impl Outgoing {
     /// its id as `message_id`, the envelope's content type, persistent, its
     /// headers; no `type`.
     pub fn masstransit_properties(&self) -> BasicProperties {
-        BasicProperties::default()
-            .with_message_id(self.message_id.to_string().into())
-            .with_content_type(crate::masstransit::ENVELOPE_CONTENT_TYPE.into())
-            .with_delivery_mode(2)
-            .with_headers(self.amqp_headers())
+        crate::masstransit::properties(self.message_id).with_headers(self.amqp_headers())
     }
 
     /// Why the broker would not take it, if it would not: a name (exchange,
@@ -235,17 +231,13 @@ impl Sink for AmqpPublisher {
                 outgoing.properties(),
                 &outgoing.body,
             )),
-            Wire::Masstransit => Box::pin(async move {
-                self.declare_fanout_once(&outgoing.exchange).await?;
-                let properties = outgoing.masstransit_properties();
-                self.publish_to(
-                    &outgoing.exchange,
-                    &outgoing.routing_key,
-                    properties,
-                    &outgoing.body,
-                )
-                .await
-            }),
+            // To the type's exchange, for whoever subscribes.
+            Wire::Masstransit => Box::pin(self.publish_to_subscribers(
+                &outgoing.exchange,
+                &[],
+                outgoing.masstransit_properties(),
+                &outgoing.body,
+            )),
         }
     }
 }

@@ -435,7 +435,7 @@ fn outgoing<E: IntegrationEvent>(
         // its envelope.
         Wire::Masstransit => (
             E::TYPE.to_owned(),
-            masstransit_envelope(message.id, E::TYPE, &json, cause)?,
+            crate::masstransit::envelope_now(message.id, E::TYPE, &json, cause)?,
         ),
     };
     let outgoing = Outgoing {
@@ -454,38 +454,6 @@ fn outgoing<E: IntegrationEvent>(
         });
     }
     Ok(outgoing)
-}
-
-/// The MassTransit envelope of a message staged now, as a follow-up of
-/// `cause` if any: its conversation carried over (or a new one), the
-/// handled message as its initiator, its correlation id carried over, the
-/// queue it was consumed from as the source.
-fn masstransit_envelope(
-    message_id: Uuid,
-    message_type: &'static str,
-    json: &[u8],
-    cause: Option<&MessageContext>,
-) -> Result<Vec<u8>> {
-    let conversation_id = cause
-        .and_then(|c| c.conversation_id.as_deref())
-        .and_then(|id| Uuid::try_parse(id).ok())
-        .unwrap_or_else(Uuid::now_v7);
-    let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
-    let envelope = crate::masstransit::Outgoing {
-        message_id,
-        message_type,
-        message: json,
-        conversation_id,
-        correlation_id: cause.and_then(|c| c.correlation_id.as_deref()),
-        initiator_id: cause.map(|c| c.message_id),
-        source_address: cause.and_then(|c| c.input_address()),
-        destination_address: None,
-        sent_time: &sent_time,
-    };
-    crate::masstransit::encode(&envelope).map_err(|source| Error::Serialize {
-        event_type: message_type,
-        source,
-    })
 }
 
 /// The headers of a message staged now, as a follow-up of `cause` if any:

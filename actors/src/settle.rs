@@ -501,7 +501,7 @@ impl Settler {
     /// the message. A delivery that did not decode gets none (MassTransit
     /// would publish a `ReceiveFault`).
     async fn publish_fault(&self, envelope: &Envelope, failure: &Failure, to: Target) {
-        use inbox::masstransit::{ENVELOPE_CONTENT_TYPE, FaultEvent, encode_fault, fault_exchange};
+        use inbox::masstransit::{FAULT_EXCHANGE, FaultEvent, encode_fault, fault_exchange};
         let Some(context) = &envelope.masstransit else {
             return;
         };
@@ -521,12 +521,14 @@ impl Settler {
         };
         let published = match encode_fault(&fault) {
             Ok(envelope) => {
-                let properties = inbox::lapin::BasicProperties::default()
-                    .with_message_id(fault_id.to_string().into())
-                    .with_content_type(ENVELOPE_CONTENT_TYPE.into())
-                    .with_delivery_mode(2);
+                let properties = inbox::masstransit::properties(fault_id);
                 self.forwarder
-                    .publish_to_subscribers(&fault_exchange(message_type), properties, &envelope)
+                    .publish_to_subscribers(
+                        &fault_exchange(message_type),
+                        &[FAULT_EXCHANGE],
+                        properties,
+                        &envelope,
+                    )
                     .await
             }
             Err(e) => Err(inbox::Error::Runtime(format!("cannot encode the fault: {e}"))),

@@ -174,6 +174,91 @@ async fn a_producer_publishing_the_type_reaches_the_queue_through_masstransits_e
 }
 
 #[actix_rt::test]
+async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_exchange() {
+    /// Types of this test's alone: their exchanges are shared by whoever
+    /// binds them.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Announced {
+        key: i64,
+    }
+    impl IntegrationEvent for Announced {
+        const TYPE: &'static str = "Inbox.Tests.MassTransit:Announced";
+    }
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Unheard {
+        key: i64,
+    }
+    impl IntegrationEvent for Unheard {
+        const TYPE: &'static str = "Inbox.Tests.MassTransit:Unheard";
+    }
+    struct CountAnnounced;
+    impl EventHandler<Announced> for CountAnnounced {
+        async fn handle(&self, event: &Announced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+            increment(uow, "counts", event.key).await
+        }
+    }
+    let mut env = TestEnv::new("mt_publisher").await;
+    // A MassTransit subscriber of the type, beside the runtime's queue.
+    let subscriber = env.another_queue("subscriber");
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    inbox::amqp::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
+        .await
+        .unwrap();
+    inbox::amqp::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
+        .await
+        .unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountAnnounced)
+        .start()
+        .await
+        .unwrap();
+    let message = inbox::Message::new(Announced { key: 3 });
+    // The routing key means nothing to a type's fanout exchange; twice, as
+    // a publisher that lost the first confirm would.
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    runtime.publisher().publish("ignored", &message).await.unwrap();
+    wait_until("processed once and skipped once", || async {
+        let s = runtime.stats();
+        s.completed == 1 && s.duplicates == 1
+    })
+    .await;
+    // A type nobody subscribes to: the broker drops it, as it drops
+    // MassTransit's publishes; the publish is not an error.
+    runtime
+        .publisher()
+        .publish("", &inbox::Message::new(Unheard { key: 4 }))
+        .await
+        .expect("a publish no queue takes");
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 3).await, 1);
+
+    let sent = env.take(&subscriber).await.expect("the subscriber's copy");
+    assert_eq!(
+        sent.properties.message_id().as_ref().map(|id| id.as_str()),
+        Some(message.id.to_string().as_str())
+    );
+    assert_eq!(
+        sent.properties.content_type().as_ref().map(|t| t.as_str()),
+        Some(ENVELOPE_CONTENT_TYPE)
+    );
+    assert_eq!(sent.properties.kind(), &None, "MassTransit sets no `type`");
+    let decoded = inbox::masstransit::decode(&sent.properties, &sent.data).unwrap();
+    assert_eq!(decoded.message_types, [Announced::TYPE]);
+    assert_eq!(decoded.message_id, message.id);
+    assert!(decoded.context.conversation_id.is_some(), "a new conversation");
+    let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(body, serde_json::json!({"key": 3}));
+    for exchange in [Announced::TYPE, Unheard::TYPE] {
+        channel
+            .exchange_delete(exchange.into(), Default::default())
+            .await
+            .unwrap();
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+#[actix_rt::test]
 async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_its_headers() {
     let env = TestEnv::new("mt_set_aside").await;
     let runtime = Runtime::builder(masstransit(&env).valid())
@@ -552,8 +637,10 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
         }
     }
     let mut env = TestEnv::new("mt_fault").await;
-    // A MassTransit subscriber of Fault<Faulted>.
+    // A MassTransit subscriber of Fault<Faulted>, and one of every Fault
+    // (shared with any other test's faults).
     let faults = env.another_queue("faults");
+    let all_faults = env.another_queue("all_faults");
     let exchange = inbox::masstransit::fault_exchange(Faulted::TYPE);
     assert_eq!(exchange, "MassTransit:Fault--Inbox.Tests.MassTransit:Faulted--");
     let connection = amqp().await;
@@ -562,6 +649,12 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
         .await
         .unwrap();
     inbox::amqp::bind_to_fanout(&channel, &faults, &exchange)
+        .await
+        .unwrap();
+    inbox::amqp::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
+        .await
+        .unwrap();
+    inbox::amqp::bind_to_fanout(&channel, &all_faults, inbox::masstransit::FAULT_EXCHANGE)
         .await
         .unwrap();
     connection.close(200, "declared".into()).await.unwrap();
@@ -598,6 +691,18 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     );
     assert_eq!(body["message"], serde_json::json!({"key": 1}));
     assert_eq!(env.ready(&Wire::Masstransit.error_queue(&env.queue)).await, 1);
+
+    // As MassTransit binds them, `Fault<T>`'s exchange feeds `Fault`'s.
+    let mut faulted_ids = Vec::new();
+    while let Some(fault) = env.take(&all_faults).await {
+        let decoded = inbox::masstransit::decode(&fault.properties, &fault.data).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        faulted_ids.push(body["faultedMessageId"].as_str().unwrap_or_default().to_owned());
+    }
+    assert!(
+        faulted_ids.contains(&id.to_string()),
+        "a subscriber of MassTransit:Fault got {faulted_ids:?}"
+    );
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     channel
