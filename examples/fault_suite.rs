@@ -2,7 +2,7 @@
 //! around it, then checks that nothing was lost and nothing applied twice.
 //!
 //! ```text
-//! cargo run --example fault_suite [-- --batch-size N]   # or: tests/fault_suite.sh
+//! cargo run --example fault_suite [-- --batch-size N] [--wire masstransit]   # or: tests/fault_suite.sh
 //! ```
 //!
 //! It starts `examples/checkin_service` (built beside this binary) on a
@@ -29,6 +29,12 @@
 //! else uses them. Honours `DATABASE_URL` (a server, whose `postgres`
 //! database it connects to) and `AMQP_URL`.
 //!
+//! With `--wire masstransit` the service speaks MassTransit 8
+//! (docs/masstransit.md), and so does the suite: it publishes check-ins in
+//! MassTransit's envelope to the exchange `Conference.Contracts:AttendeeCheckedIn`,
+//! breaks envelopes in six ways, reads the forwards as envelopes, and finds
+//! failures in `Q_error`. Same faults, same line.
+//!
 //! With `--cluster` (run by `tests/cluster.sh run`, which starts the nodes
 //! and passes their URLs in `CLUSTER_AMQP_URLS`), the service and the suite
 //! connect to the nodes of a RabbitMQ cluster, and instead of restarting
@@ -48,7 +54,7 @@ use common::{AttendeeCheckedIn, XorShift};
 use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use inbox::lapin::types::FieldTable;
 use inbox::lapin::{BasicProperties, Connection};
-use inbox::{AmqpPublisher, Error, Message, QueueSettings, Result, Settings, amqp};
+use inbox::{AmqpPublisher, Error, Message, QueueSettings, Result, Settings, Wire, amqp};
 
 const DATABASE: &str = "inbox_faults";
 const EVENTS: usize = 5000;
@@ -107,6 +113,9 @@ struct Suite {
     database_url: String,
     /// `--batch-size`, passed on to the service.
     batch_size: u16,
+    /// `--wire`, passed on to the service: how both sides publish, and
+    /// the names of the queues failures go to.
+    wire: Wire,
     kills: usize,
     db_restarts: usize,
     broker_restarts: usize,
@@ -161,6 +170,10 @@ async fn run() -> Result<bool> {
     if batch_size > 1 {
         eprintln!("fault_suite: the service runs batches of up to {batch_size}");
     }
+    let wire = settings.message_bus.wire;
+    if wire == Wire::Masstransit {
+        eprintln!("fault_suite: the service and the suite speak MassTransit's wire");
+    }
     let mut suite = Suite {
         started,
         settings,
@@ -168,6 +181,7 @@ async fn run() -> Result<bool> {
         service,
         database_url,
         batch_size,
+        wire,
         kills: 0,
         db_restarts: 0,
         broker_restarts: 0,
@@ -272,6 +286,11 @@ impl Suite {
                 &forward_queue(&self.queue),
                 "--http",
                 &self.http,
+                "--wire",
+                match self.wire {
+                    Wire::Inbox => "inbox",
+                    Wire::Masstransit => "masstransit",
+                },
             ])
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_url)
@@ -364,14 +383,12 @@ impl Suite {
             session_id: 1,
         });
         let connection = connect(&self.settings).await?;
-        AmqpPublisher::new(&connection, "")
-            .await?
-            .publish(&self.queue, &poison)
-            .await?;
+        let publisher = AmqpPublisher::new(&connection, "").await?.with_wire(self.wire);
+        publish_event(&publisher, &self.queue, &poison).await?;
         let _ = connection.close(200, "done".into()).await;
         self.say("published a message the service aborts on");
         let set_aside = (published.failing.len() + published.malformed.len()) as u32 + 1;
-        let error_queue = amqp::error_queue(&self.queue);
+        let error_queue = self.wire.error_queue(&self.queue);
         // Since when the service has consumed with nothing left in the queue.
         let mut calm_since: Option<Instant> = None;
         loop {
@@ -661,6 +678,7 @@ struct Forwards {
 
 /// Takes every message of the forward queue and counts them.
 async fn read_forwards(settings: &Settings, queue: &str, published: &Published) -> Result<Forwards> {
+    let wire = settings.message_bus.wire;
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let mut deliveries = 0;
@@ -683,12 +701,9 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
             .map(|id| id.as_str().to_owned())
             .unwrap_or_default();
         ids.insert(id.clone());
-        match serde_json::from_slice::<common::CheckinRecorded>(&delivery.data) {
-            Ok(recorded) if published.good.contains_key(&recorded.source_message_id) => {
-                by_source
-                    .entry(recorded.source_message_id)
-                    .or_default()
-                    .insert(id);
+        match forwarded_source(wire, &delivery) {
+            Some(source) if published.good.contains_key(&source) => {
+                by_source.entry(source).or_default().insert(id);
             }
             _ => leaked += 1,
         }
@@ -705,6 +720,24 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
         leaked,
         copies: deliveries - ids.len(),
     })
+}
+
+/// The check-in a forward was staged for: its `sourceMessageId`, read in
+/// `wire`'s format.
+fn forwarded_source(wire: Wire, delivery: &inbox::lapin::message::Delivery) -> Option<inbox::uuid::Uuid> {
+    match wire {
+        Wire::Inbox => serde_json::from_slice::<common::CheckinRecorded>(&delivery.data)
+            .ok()
+            .map(|recorded| recorded.source_message_id),
+        Wire::Masstransit => {
+            let decoded = inbox::masstransit::decode(&delivery.properties, &delivery.data).ok()?;
+            let is_recorded = decoded.message_types.first().map(String::as_str)
+                == Some(<common::masstransit::CheckinRecorded as inbox::IntegrationEvent>::TYPE);
+            let recorded: common::masstransit::CheckinRecorded =
+                serde_json::from_slice(&decoded.message).ok()?;
+            is_recorded.then_some(recorded.source_message_id)
+        }
+    }
 }
 
 fn service_log_path() -> std::path::PathBuf {
@@ -767,6 +800,7 @@ async fn probe(settings: &Settings, queue: &str) -> Result<inbox::lapin::Queue> 
 /// Publishes the workload, riding through broker restarts: a publish that
 /// fails is repeated (a duplicate at worst, which the inbox absorbs).
 async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
+    let wire = settings.message_bus.wire;
     let mut random = XorShift(0x5eed_cafe_f00d_0001);
     let mut published = Published::default();
     let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::new();
@@ -783,7 +817,11 @@ async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
         } else if i % (EVENTS / 6) == 3 && published.malformed.len() < 6 {
             let marker = format!("malformed-{}", published.malformed.len());
             published.malformed.insert(marker.clone());
-            Item::Malformed(Box::new(malformed(published.malformed.len() - 1, &marker)))
+            let kind = published.malformed.len() - 1;
+            Item::Malformed(Box::new(match wire {
+                Wire::Inbox => malformed(kind, &marker),
+                Wire::Masstransit => malformed_envelope(kind, &marker),
+            }))
         } else if !sent.is_empty() && random.chance(DUP_RATIO) {
             Item::Event(sent[random.below(sent.len() as u64) as usize].clone())
         } else {
@@ -800,7 +838,7 @@ async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
             if publisher.is_none() {
                 match connect(settings).await {
                     Ok(connection) => match AmqpPublisher::new(&connection, "").await {
-                        Ok(p) => publisher = Some((connection, p)),
+                        Ok(p) => publisher = Some((connection, p.with_wire(wire))),
                         Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                     },
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -809,7 +847,7 @@ async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
             }
             let Some((_, p)) = &publisher else { continue };
             let result = match &item {
-                Item::Event(message) => p.publish(queue, message).await,
+                Item::Event(message) => publish_event(p, queue, message).await,
                 Item::Malformed(raw) => p.publish_raw(queue, raw.0.clone(), &raw.1).await,
             };
             match result {
@@ -870,6 +908,75 @@ fn malformed(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
     }
 }
 
+/// Publishes a check-in in the publisher's wire: to `queue` in this
+/// library's format, or as a MassTransit producer publishes its contract
+/// (the same id and fields) to the type's exchange.
+async fn publish_event(
+    publisher: &AmqpPublisher,
+    queue: &str,
+    message: &Message<AttendeeCheckedIn>,
+) -> Result<()> {
+    match publisher.wire() {
+        Wire::Inbox => publisher.publish(queue, message).await,
+        Wire::Masstransit => {
+            let contract = Message {
+                id: message.id,
+                event: common::masstransit::AttendeeCheckedIn {
+                    attendee_id: message.event.attendee_id,
+                    session_id: message.event.session_id,
+                },
+            };
+            publisher.publish(queue, &contract).await
+        }
+    }
+}
+
+/// Six kinds of broken MassTransit delivery, each carrying `marker` in
+/// its body: no `messageId`, one that is not a GUID, no `messageType`, an
+/// AMQP `message_id` that is not the envelope's, a content type
+/// MassTransit has no serializer for, a message whose fields do not fit
+/// the contract.
+fn malformed_envelope(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
+    let id = inbox::uuid::Uuid::now_v7();
+    let envelope = |id: &str, types: &str, message: &str| {
+        format!(
+            r#"{{"messageId": "{id}", "messageType": [{types}], "message": {message}, "marker": "{marker}"}}"#
+        )
+        .into_bytes()
+    };
+    let checked_in = r#""urn:message:Conference.Contracts:AttendeeCheckedIn""#;
+    let good = r#"{"attendeeId": 1, "sessionId": 1}"#;
+    let properties = inbox::masstransit::properties(id);
+    match kind {
+        0 => (
+            BasicProperties::default().with_content_type(inbox::masstransit::ENVELOPE_CONTENT_TYPE.into()),
+            format!(r#"{{"messageType": [{checked_in}], "message": {good}, "marker": "{marker}"}}"#)
+                .into_bytes(),
+        ),
+        1 => (
+            BasicProperties::default().with_content_type(inbox::masstransit::ENVELOPE_CONTENT_TYPE.into()),
+            envelope("not-a-guid", checked_in, good),
+        ),
+        2 => (properties, envelope(&id.to_string(), "", good)),
+        3 => (
+            properties,
+            envelope(&inbox::uuid::Uuid::now_v7().to_string(), checked_in, good),
+        ),
+        4 => (
+            properties.with_content_type("text/plain".into()),
+            envelope(&id.to_string(), checked_in, good),
+        ),
+        _ => (
+            properties,
+            envelope(
+                &id.to_string(),
+                checked_in,
+                &format!(r#"{{"attendeeId": "{marker}", "sessionId": 1}}"#),
+            ),
+        ),
+    }
+}
+
 /// Waits until the main and retry queues are empty and the error queue
 /// holds every failing and malformed message; the service dying on its own
 /// is a failure.
@@ -887,9 +994,9 @@ async fn wait_until_settled(
         }
         let mut busy = ready(&suite.settings, &suite.queue).await?;
         for tier in 1..=suite.settings.failure.delays.len() {
-            busy += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
+            busy += ready(&suite.settings, &suite.wire.retry_queue(&suite.queue, tier)).await?;
         }
-        let errors = ready(&suite.settings, &amqp::error_queue(&suite.queue)).await?;
+        let errors = ready(&suite.settings, &suite.wire.error_queue(&suite.queue)).await?;
         if last_report.elapsed() > Duration::from_secs(10) {
             suite.say(&format!(
                 "settling: {busy} waiting, {errors} of {expected_errors} in the error queue"
@@ -972,7 +1079,7 @@ async fn check(
     // The error queue: every failing event and every malformed delivery.
     let connection = connect(&suite.settings).await?;
     let channel = connection.create_channel().await?;
-    let error_queue = amqp::error_queue(&suite.queue);
+    let error_queue = suite.wire.error_queue(&suite.queue);
     let (mut in_error, mut error_ids, mut markers) = (0u32, HashSet::new(), HashSet::new());
     let mut poison_death = None;
     while let Some(message) = channel
@@ -999,7 +1106,7 @@ async fn check(
     let forwards = read_forwards(&suite.settings, &suite.queue, published).await?;
     let mut waiting = ready(&suite.settings, &suite.queue).await?;
     for tier in 1..=suite.settings.failure.delays.len() {
-        waiting += ready(&suite.settings, &amqp::retry_queue(&suite.queue, tier)).await?;
+        waiting += ready(&suite.settings, &suite.wire.retry_queue(&suite.queue, tier)).await?;
     }
 
     let node_kills = if suite.cluster {
@@ -1073,18 +1180,25 @@ async fn check(
     }
     println!("fault_suite: {passed} passed, {failed} failed");
     // Clean up what this run created.
+    let wire = suite.wire;
     for name in [
         suite.queue.clone(),
-        amqp::retry_queue(&suite.queue, 1),
-        amqp::retry_queue(&suite.queue, 2),
+        wire.retry_queue(&suite.queue, 1),
+        wire.retry_queue(&suite.queue, 2),
         error_queue,
-        amqp::skipped_queue(&suite.queue),
+        wire.skipped_queue(&suite.queue),
         forward_queue(&suite.queue),
         alarm_queue(&suite.queue),
     ] {
         let _ = channel
             .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
             .await;
+        if wire == Wire::Masstransit {
+            // MassTransit's endpoints have an exchange of their name.
+            let _ = channel
+                .exchange_delete(name.as_str().into(), Default::default())
+                .await;
+        }
     }
     let _ = connection.close(200, "done".into()).await;
     drop(db);

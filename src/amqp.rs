@@ -512,13 +512,21 @@ impl AmqpPublisher {
         self
     }
 
+    /// Publishes in `wire`'s format and topology (see
+    /// [`publish`](Self::publish)); a publisher from
+    /// [`connect`](Self::connect) takes `message_bus.wire`.
+    pub fn with_wire(mut self, wire: Wire) -> Self {
+        self.wire = wire;
+        self
+    }
+
     /// The largest body it sends as an outbox [`Sink`](crate::Sink).
     pub(crate) fn max_message_size(&self) -> usize {
         self.max_message_size
     }
 
-    /// How it sends outbox rows.
-    pub(crate) fn wire(&self) -> Wire {
+    /// The wire it publishes in: how it sends messages and outbox rows.
+    pub fn wire(&self) -> Wire {
         self.wire
     }
 

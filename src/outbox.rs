@@ -231,6 +231,16 @@ impl Sink for AmqpPublisher {
                 outgoing.properties(),
                 &outgoing.body,
             )),
+            // A row to the default exchange (staged by hand, or by another
+            // process) is sent to the queue its routing key names, which
+            // must exist: as the inbox wire sends it, in MassTransit's
+            // properties.
+            Wire::Masstransit if outgoing.exchange.is_empty() => Box::pin(self.publish_to(
+                "",
+                &outgoing.routing_key,
+                outgoing.masstransit_properties(),
+                &outgoing.body,
+            )),
             // To the type's exchange, for whoever subscribes.
             Wire::Masstransit => Box::pin(self.publish_to_subscribers(
                 &outgoing.exchange,

@@ -7,6 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --example checkin_service --example fault_suite
-# One message per transaction, then batches of up to 8.
+# One message per transaction, then batches of up to 8; then both again
+# with the service and the suite speaking MassTransit's wire.
 timeout 300 target/debug/examples/fault_suite
 timeout 300 target/debug/examples/fault_suite --batch-size 8
+timeout 300 target/debug/examples/fault_suite --wire masstransit
+timeout 300 target/debug/examples/fault_suite --wire masstransit --batch-size 8

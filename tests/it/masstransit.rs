@@ -259,6 +259,36 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
 }
 
 #[actix_rt::test]
+async fn a_row_staged_to_the_default_exchange_is_sent_to_the_queue_its_routing_key_names() {
+    let env = TestEnv::new("mt_default_exchange").await;
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .unwrap();
+    // Staged as another process would: a MassTransit envelope sent to the
+    // queue itself.
+    let id = Uuid::now_v7();
+    let body = envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 11}"#);
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body)
+             VALUES ($1, '', $2, $3, $4)",
+            &[&id, &env.queue, &Counted::TYPE, &body.as_bytes()],
+        )
+        .await
+        .unwrap();
+    wait_until("the row is sent to its queue and processed", || async {
+        runtime.stats().completed == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 11).await, 1);
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+}
+
+#[actix_rt::test]
 async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_its_headers() {
     let env = TestEnv::new("mt_set_aside").await;
     let runtime = Runtime::builder(masstransit(&env).valid())
