@@ -537,6 +537,8 @@ impl AmqpPublisher {
     /// RabbitMqMessagePublishTopology.cs `Apply` at v8.5.8), through which
     /// a `Fault<T>` reaches `MassTransit:Fault`'s subscribers too.
     pub async fn declare_type_exchange(&self, name: &str, implements: &[&str]) -> Result<()> {
+        // First: a channel replaced here forgets what was declared on it.
+        let Publishing { channel, .. } = self.live_channel().await?;
         let known = self.declared.lock().map(|d| d.contains(name)).unwrap_or(false);
         if known {
             return Ok(());
@@ -548,7 +550,6 @@ impl AmqpPublisher {
                 reason,
             })?;
         }
-        let Publishing { channel, .. } = self.live_channel().await?;
         fanout_exchange(&channel, name).await?;
         for implemented in implements {
             fanout_exchange(&channel, implemented).await?;
@@ -781,17 +782,30 @@ impl AmqpPublisher {
             tokio::spawn(async move {
                 let _ = old.connection.close(320, "replaced".into()).await;
             });
+            self.forget_declared();
         }
         let status = link.channel.status();
         if !status.connected() && !status.reconnecting() && link.connection.status().connected() {
             tracing::info!(exchange = %self.exchange, "the publishing channel was closed by the broker; opening another");
             (link.channel, link.confirms) = confirming_channel(&link.connection).await?;
+            self.forget_declared();
         }
         Ok(Publishing {
             channel: link.channel.clone(),
             confirms: link.confirms.clone(),
             connection: Arc::clone(&link.connection),
         })
+    }
+
+    /// Forgets the type exchanges declared so far, when the channel or
+    /// connection is replaced: the broker closes a channel that publishes
+    /// to an exchange someone deleted, and the next publish declares it
+    /// again (declaring is idempotent) rather than fail the same way
+    /// until a restart.
+    fn forget_declared(&self) {
+        if let Ok(mut declared) = self.declared.lock() {
+            declared.clear();
+        }
     }
 
     /// A new channel on this publisher's connection, for declaring the

@@ -230,6 +230,21 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
         .publish("", &inbox::Message::new(Unheard { key: 4 }))
         .await
         .expect("a publish no queue takes");
+    // Someone deletes the type's exchange: the broker closes the channel
+    // of the next publish, and the one after declares it again.
+    channel
+        .exchange_delete(Unheard::TYPE.into(), Default::default())
+        .await
+        .unwrap();
+    let mut failed = 0;
+    while let Err(e) = runtime
+        .publisher()
+        .publish("", &inbox::Message::new(Unheard { key: 5 }))
+        .await
+    {
+        failed += 1;
+        assert!(failed < 2, "still failing after the exchange was deleted: {e}");
+    }
     runtime.shutdown().await;
     assert_eq!(env.count("counts", 3).await, 1);
 
