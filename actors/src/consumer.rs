@@ -168,7 +168,7 @@ impl ConsumerActor {
             database,
             concurrent_batches: queue.concurrent_batches,
             window: Arc::default(),
-            dialect: Dialect::of(settings, queue, Arc::clone(&link.message_types)),
+            dialect: Dialect::of(settings, queue, link.handled.clone()),
         };
         let size = usize::from(queue.batch_size);
         Self {
@@ -293,6 +293,14 @@ impl StreamHandler<Consumed> for ConsumerActor {
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
+            Ok(pending) if pending.is_decided() => {
+                // No transaction to share: settled on its own.
+                let work = Arc::clone(&self.settler).settle_prepared(pending);
+                ctx.spawn(
+                    work.into_actor(self)
+                        .map(|(), actor, ctx| actor.message_done(ctx)),
+                );
+            }
             Ok(pending) => {
                 self.batching.buffer.push(pending);
                 if !self.batching.flush_scheduled {
@@ -412,7 +420,7 @@ impl ConsumerActor {
             self.message_done(ctx);
         }
         let (settings, queue, old) = (self.settings.clone(), self.queue.clone(), self.connection.clone());
-        let types = self.settler.dialect.message_types();
+        let types = self.settler.dialect.handled.clone();
         let opening = async move { Link::reopen(&settings, &queue, types, &old).await };
         ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
             actor.reconnecting = false;

@@ -257,6 +257,57 @@ async fn unless_abandoned(
     }
 }
 
+/// `body` decoded into `E`, or why it is not one (bounded: serde quotes the
+/// offending text).
+pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
+    serde_json::from_slice(body).map_err(|e| bounded(format!("body is not a valid `{}`: {e}", E::TYPE)))
+}
+
+/// Whether a body decodes into an event type, checked before a message's
+/// transaction begins: a body that is not its event goes to the error
+/// queue without costing a transaction and a rollback. (The handler actor
+/// decodes it again: one parse of a small body, against a transaction's
+/// round trips to the database.)
+pub(crate) type Decodes = fn(&[u8]) -> Result<(), String>;
+
+/// [`Decodes`] for `E`.
+pub(crate) fn decodes<E: IntegrationEvent>(body: &[u8]) -> Result<(), String> {
+    decode::<E>(body).map(drop)
+}
+
+/// The event types handlers are registered for, by name, each with its
+/// [`Decodes`]: what a MassTransit message is handled as, which type
+/// exchanges its wire binds, and what is decoded before a transaction.
+#[derive(Clone)]
+pub(crate) struct HandledTypes(Arc<[(String, Decodes)]>);
+
+impl HandledTypes {
+    pub(crate) fn new(mut types: Vec<(String, Decodes)>) -> Self {
+        types.sort_by(|a, b| a.0.cmp(&b.0));
+        Self(types.into())
+    }
+
+    /// Their names, sorted.
+    pub(crate) fn names(&self) -> Vec<&str> {
+        self.0.iter().map(|(name, _)| name.as_str()).collect()
+    }
+
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.find(name).is_some()
+    }
+
+    /// Whether `body` decodes into the type `name`; `None` when no handler
+    /// is registered for it.
+    pub(crate) fn check(&self, name: &str, body: &[u8]) -> Option<Result<(), String>> {
+        self.find(name).map(|decodes| decodes(body))
+    }
+
+    fn find(&self, name: &str) -> Option<Decodes> {
+        let at = self.0.binary_search_by(|(n, _)| n.as_str().cmp(name)).ok()?;
+        Some(self.0[at].1)
+    }
+}
+
 /// Runs every handler on the messages: `handle` for one message,
 /// `handle_batch` for several.
 async fn run_handlers<E: IntegrationEvent>(
@@ -267,16 +318,16 @@ async fn run_handlers<E: IntegrationEvent>(
     // Records when the handlers are done, whichever way they end.
     _timer: HandlerTimer,
 ) -> Handled {
+    // Checked before the transaction when consumed; published in process,
+    // a message is decoded here alone.
     let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
     for envelope in &envelopes {
-        match serde_json::from_slice(&envelope.body) {
+        match decode(&envelope.body) {
             Ok(event) => events.push(event),
-            Err(e) => {
-                let reason = format!("body is not a valid `{}`: {e}", E::TYPE);
-                let failure = HandlerFailure::Malformed(bounded(reason));
+            Err(reason) => {
                 return Handled::Failed {
                     uow: Some(uow),
-                    failure,
+                    failure: HandlerFailure::Malformed(reason),
                 };
             }
         }

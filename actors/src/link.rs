@@ -8,6 +8,8 @@ use inbox::lapin::types::FieldTable;
 use inbox::lapin::{Channel, Connection, Consumer};
 use inbox::{AmqpPublisher, Backoff, QueueSettings, Settings, amqp};
 
+use crate::handler::HandledTypes;
+
 /// The first pause before reconnecting; doubled up to [`MAX_RECONNECT_PAUSE`].
 const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(30);
@@ -22,7 +24,7 @@ pub(crate) struct Link {
     pub(crate) forwarder: AmqpPublisher,
     /// The event types handlers are registered for, whose exchanges
     /// MassTransit's wire binds to the queue's.
-    pub(crate) message_types: Arc<[String]>,
+    pub(crate) handled: HandledTypes,
 }
 
 impl Link {
@@ -31,11 +33,11 @@ impl Link {
     pub(crate) async fn open(
         settings: &Settings,
         queue: &QueueSettings,
-        message_types: Arc<[String]>,
+        handled: HandledTypes,
     ) -> inbox::Result<Self> {
         let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
         let channel = connection.create_channel().await?;
-        let types: Vec<&str> = message_types.iter().map(String::as_str).collect();
+        let types = handled.names();
         let wire = settings.message_bus.wire;
         amqp::declare_wire_topology(&channel, queue, &settings.failure, wire, &types).await?;
         channel
@@ -57,7 +59,7 @@ impl Link {
             channel,
             stream,
             forwarder,
-            message_types,
+            handled,
         })
     }
 
@@ -67,14 +69,14 @@ impl Link {
     pub(crate) async fn reopen(
         settings: &Settings,
         queue: &QueueSettings,
-        message_types: Arc<[String]>,
+        handled: HandledTypes,
         old: &Connection,
     ) -> Self {
         let closing = old.close(320, "reconnecting".into());
         let _ = tokio::time::timeout(settings.message_bus.connect_timeout, closing).await;
         let mut backoff = Backoff::new(FIRST_RECONNECT_PAUSE, MAX_RECONNECT_PAUSE);
         loop {
-            match Link::open(settings, queue, Arc::clone(&message_types)).await {
+            match Link::open(settings, queue, handled.clone()).await {
                 Ok(link) => return link,
                 Err(e) => {
                     let pause = backoff.next_pause();

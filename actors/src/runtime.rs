@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::dedup::{DedupActor, Route, Routes};
-use crate::handler::{HandlerActor, HandlerSource};
+use crate::handler::{Decodes, HandledTypes, HandlerActor, HandlerSource};
 use crate::health::{Health, HealthCheck, HealthState};
 use crate::link::Link;
 use crate::outbox::{OutboxActor, StopDispatching};
@@ -180,8 +180,12 @@ impl RuntimeBuilder {
         };
         let health = Arc::new(HealthState::new(consumed, Arc::clone(&database)));
         // For the wire's topology and decoding: which types have handlers.
-        let mut message_types: Vec<String> = routes.keys().map(|t| (*t).to_owned()).collect();
-        message_types.sort();
+        let handled = HandledTypes::new(
+            routes
+                .iter()
+                .map(|(event_type, route)| ((*event_type).to_owned(), route.decodes()))
+                .collect(),
+        );
         let routes: Routes = routes
             .into_iter()
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
@@ -245,7 +249,7 @@ impl RuntimeBuilder {
                 Arc::clone(&stats),
             ),
             settings,
-            message_types: message_types.into(),
+            handled,
             pool,
             dedup,
             outbox,
@@ -320,8 +324,8 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// ```
 pub struct Runtime {
     settings: ValidSettings,
-    /// The event types handlers are registered for, by name.
-    message_types: Arc<[String]>,
+    /// The event types handlers are registered for.
+    handled: HandledTypes,
     /// Where units of work stage messages (over a broker).
     outbox: Option<Outbox>,
     /// Publishes what they staged, once committed.
@@ -368,7 +372,7 @@ impl Runtime {
             let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
             publisher.declare_exchange().await?;
             let channel = publisher.open_channel().await?;
-            let types: Vec<&str> = self.message_types.iter().map(String::as_str).collect();
+            let types = self.handled.names();
             for queue in &self.settings.queues {
                 let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
                 inbox::amqp::declare_wire_topology(&channel, queue, failure, wire, &types).await?;
@@ -422,7 +426,7 @@ impl Runtime {
         let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
         tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
         for queue in &self.settings.queues {
-            let link = Link::open(&self.settings, queue, Arc::clone(&self.message_types)).await?;
+            let link = Link::open(&self.settings, queue, self.handled.clone()).await?;
             let connected = Arc::new(AtomicBool::new(false));
             let actor = ConsumerActor::new(
                 &self.settings,
@@ -631,6 +635,7 @@ pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
 /// The handlers of one event type, before their actor starts.
 trait Registered {
     fn as_any(&mut self) -> &mut dyn Any;
+    fn decodes(&self) -> Decodes;
     fn start(self: Box<Self>) -> Route;
 }
 
@@ -639,6 +644,10 @@ struct HandlerSet<E>(Vec<HandlerSource<E>>);
 impl<E: IntegrationEvent> Registered for HandlerSet<E> {
     fn as_any(&mut self) -> &mut dyn Any {
         self
+    }
+
+    fn decodes(&self) -> Decodes {
+        crate::handler::decodes::<E>
     }
 
     fn start(self: Box<Self>) -> Route {

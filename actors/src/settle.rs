@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::acks::{AckWindow, Ticket};
 use crate::availability::DatabaseGate;
 use crate::dedup::{DedupActor, Deliver, DeliverBatch};
+use crate::handler::HandledTypes;
 use crate::metrics::QueueMetrics;
 use crate::stats::{Counter, Stats};
 
@@ -62,8 +63,9 @@ pub(crate) struct Settler {
 pub(crate) struct Dialect {
     wire: Wire,
     /// The types handlers are registered for: a MassTransit message is
-    /// handled as the first of its types among them.
-    handled: Arc<[String]>,
+    /// handled as the first of its types among them, and a body is
+    /// decoded into its type before its transaction.
+    pub(crate) handled: HandledTypes,
     /// The queue's address as MassTransit writes it, for
     /// `MT-Fault-InputAddress`.
     input_address: String,
@@ -73,7 +75,7 @@ impl Dialect {
     pub(crate) fn of(
         settings: &inbox::Settings,
         queue: &inbox::QueueSettings,
-        handled: Arc<[String]>,
+        handled: HandledTypes,
     ) -> Self {
         let broker = settings
             .amqp_urls()
@@ -92,11 +94,6 @@ impl Dialect {
         }
     }
 
-    /// The types handlers are registered for.
-    pub(crate) fn message_types(&self) -> Arc<[String]> {
-        Arc::clone(&self.handled)
-    }
-
     /// Decodes `delivery` as this wire's envelope.
     fn decode(&self, delivery: &mut Delivery, consumer: &str) -> Result<Envelope, inbox::DecodeError> {
         match self.wire {
@@ -111,7 +108,7 @@ impl Dialect {
                 &delivery.data,
                 delivery.redelivered,
                 consumer,
-                |name| self.handled.iter().any(|handled| handled == name),
+                |name| self.handled.contains(name),
             ),
         }
     }
@@ -133,6 +130,17 @@ pub(crate) struct Pending {
     envelope: Arc<Envelope>,
     history: FailureHistory,
     arrived: Instant,
+    /// Its outcome when known before any transaction: a body that does not
+    /// decode into its type.
+    known: Option<Outcome>,
+}
+
+impl Pending {
+    /// Whether its outcome is known already: it needs no transaction, in
+    /// a batch or alone.
+    pub(crate) fn is_decided(&self) -> bool {
+        self.known.is_some()
+    }
 }
 
 /// A delivery that can never be processed, and why.
@@ -188,12 +196,22 @@ impl Settler {
                     envelope.input_address = Some(self.dialect.input_address.clone());
                 }
                 envelope.set_attempt(history.next_attempt());
+                // A type without handlers is skipped in its transaction
+                // (which records the skip); one with handlers must decode.
+                let known = match self.dialect.handled.check(&envelope.event_type, &envelope.body) {
+                    Some(Err(reason)) => Some(Outcome::Rejected {
+                        stage: Stage::Deserialize,
+                        reason,
+                    }),
+                    Some(Ok(())) | None => None,
+                };
                 Ok(Pending {
                     delivery,
                     ticket,
                     envelope: Arc::new(envelope),
                     history,
                     arrived,
+                    known,
                 })
             }
             Err(e) => Err(Box::new(Malformed {
@@ -212,9 +230,15 @@ impl Settler {
     /// settles it with the broker.
     pub(crate) async fn settle(self: Arc<Self>, delivery: Delivery, ticket: Ticket, arrived: Instant) {
         match self.prepare(delivery, ticket, arrived) {
-            Ok(pending) => self.process(pending, None).await,
+            Ok(pending) => self.settle_prepared(pending).await,
             Err(malformed) => self.set_aside(malformed).await,
         }
+    }
+
+    /// [`settle`](Self::settle) for a delivery already prepared.
+    pub(crate) async fn settle_prepared(self: Arc<Self>, mut pending: Pending) {
+        let known = pending.known.take();
+        self.process(pending, known).await
     }
 
     /// Runs a batch through the inbox in one transaction, then settles each
@@ -224,7 +248,7 @@ impl Settler {
             && let Some(alone) = batch.pop()
         {
             // Alone, it is cheaper without the batch's savepoint.
-            return self.process(alone, None).await;
+            return self.settle_prepared(alone).await;
         }
         let deliver = DeliverBatch {
             consumer: Arc::clone(&self.consumer),
@@ -311,6 +335,7 @@ impl Settler {
             mut envelope,
             mut history,
             arrived,
+            known: _,
         } = pending;
         let span = envelope.span.clone();
         async move {

@@ -216,3 +216,40 @@ async fn a_body_quoted_whole_in_its_error_still_reaches_the_error_queue_with_the
     }
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+#[actix_rt::test]
+async fn a_body_that_is_not_its_event_is_set_aside_before_any_transaction_even_without_the_database() {
+    for batch_size in [1, 8] {
+        let env = TestEnv::new(&format!("decode_first_{batch_size}")).await;
+        let mut settings = env.settings();
+        settings.queues[0].batch_size = batch_size;
+        let proxy = crate::proxy::database_through_proxy(&mut settings).await;
+        let runtime = Runtime::builder(settings.valid())
+            .handler(Count)
+            .start()
+            .await
+            .unwrap();
+        // With the database gone, a message that needs a transaction is
+        // held; one that is not its event needs none.
+        proxy.cut();
+        let id = uuid::Uuid::now_v7().to_string();
+        env.publish_raw(properties(Some(&id), Some("Counted")), br#"{"key": "one"}"#)
+            .await;
+        let error_queue = inbox::amqp::error_queue(&env.queue);
+        wait_until("it is in the error queue while the database is down", || async {
+            env.ready(&error_queue).await == 1
+        })
+        .await;
+        let stats = runtime.stats();
+        assert_eq!(
+            (stats.rejected, stats.held),
+            (1, 0),
+            "batch size {batch_size}: {stats:?}"
+        );
+        proxy.restore();
+        runtime.shutdown().await;
+        let copy = env.take(&error_queue).await.unwrap();
+        let reason = header(&copy, headers::REASON).unwrap();
+        assert!(reason.starts_with("body is not a valid `Counted`"), "{reason}");
+    }
+}
