@@ -66,7 +66,7 @@ use actix_web::{App, HttpResponse, HttpServer, web};
 use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
 use inbox::IntegrationEvent;
 use inbox::{EventHandler, HandlerError, UnitOfWork};
-use inbox_actors::{HealthCheck, Probe, Runtime, RuntimeBuilder};
+use inbox_actors::{Monitor, Probe, Runtime, RuntimeBuilder};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tracing_subscriber::EnvFilter;
 
@@ -107,33 +107,34 @@ async fn run() -> inbox::Result<()> {
         })?;
     }
     let forward_to = common::arg("--forward-to");
+    // The queue for follow-ups before the first message is consumed.
+    if let Some(queue) = &forward_to {
+        let recorded = match wire {
+            inbox::Wire::Inbox => None,
+            inbox::Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
+        };
+        declare_forward_queue(&settings, queue, recorded).await?;
+    }
+    // Listening before consuming starts: a SIGTERM from then on drains.
+    let signal = inbox_actors::shutdown_signal()?;
     let builder = Runtime::builder(settings).migrations(common::SCHEMA);
-    // Ready, not consuming yet (its tables are there: `migrations`): the
-    // queue for follow-ups first.
     let runtime = match wire {
         inbox::Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
         inbox::Wire::Masstransit => {
             with_handlers::<common::masstransit::AttendeeCheckedIn>(builder, forward_to.as_deref())
         }
     }
-    .build()
+    .start()
     .await?;
-    if let Some(queue) = &forward_to {
-        let recorded = match wire {
-            inbox::Wire::Inbox => None,
-            inbox::Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
-        };
-        declare_forward_queue(runtime.settings(), queue, recorded).await?;
-    }
 
     // A progress line every few seconds.
-    let stats = runtime.shared_stats();
+    let stats = runtime.monitor();
     actix_rt::spawn(async move {
         let mut every = tokio::time::interval(Duration::from_secs(5));
         every.tick().await;
         loop {
             every.tick().await;
-            let s = stats.snapshot();
+            let s = stats.stats();
             tracing::info!(
                 processed = s.completed,
                 duplicates_skipped = s.duplicates,
@@ -145,24 +146,32 @@ async fn run() -> inbox::Result<()> {
         }
     });
     match http {
-        Some((address, metrics)) => serve(runtime, &address, metrics).await,
-        None => runtime.run_until_signal().await,
+        Some((address, metrics)) => serve(runtime, signal, &address, metrics).await,
+        None => {
+            runtime.run_until(signal).await;
+            Ok(())
+        }
     }
 }
 
 /// What the HTTP endpoints read.
 #[derive(Clone)]
 struct Endpoints {
-    health: HealthCheck,
+    health: Monitor,
     metrics: PrometheusHandle,
 }
 
 /// Runs the runtime and the HTTP server on `address` until one signal
 /// stops both: the docs/operations.md pattern, one signal handler for the
 /// whole service and both drains at once.
-async fn serve(runtime: Runtime, address: &str, metrics: PrometheusHandle) -> inbox::Result<()> {
+async fn serve(
+    runtime: Runtime,
+    signal: impl Future<Output = ()> + 'static,
+    address: &str,
+    metrics: PrometheusHandle,
+) -> inbox::Result<()> {
     let endpoints = Endpoints {
-        health: runtime.health_check(),
+        health: runtime.monitor(),
         metrics,
     };
     let server = HttpServer::new(move || {
@@ -180,23 +189,20 @@ async fn serve(runtime: Runtime, address: &str, metrics: PrometheusHandle) -> in
     .run();
     tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
     let http = server.handle();
-    let signal = inbox_actors::shutdown_signal()?;
     let (stop, stopped) = tokio::sync::oneshot::channel();
     actix_rt::spawn(async move {
         signal.await;
-        tracing::info!("shutdown signal received");
         let _ = stop.send(());
         http.stop(true).await; // graceful: finishes the requests in flight
     });
     // Both drain at once: the whole stop takes the longer of the two.
-    let (served, ran) = tokio::join!(
+    let (served, ()) = tokio::join!(
         server,
         runtime.run_until(async {
             let _ = stopped.await;
         })
     );
-    served.map_err(|e| inbox::Error::Runtime(format!("the HTTP server failed: {e}")))?;
-    ran
+    served.map_err(|e| inbox::Error::Runtime(format!("the HTTP server failed: {e}")))
 }
 
 async fn live(endpoints: web::Data<Endpoints>) -> HttpResponse {

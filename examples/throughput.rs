@@ -799,9 +799,9 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances
             .await?;
         runtimes.push(runtime);
     }
-    let stats: Vec<_> = runtimes.iter().map(Runtime::shared_stats).collect();
+    let stats: Vec<_> = runtimes.iter().map(Runtime::monitor).collect();
     loop {
-        let snapshots: Vec<_> = stats.iter().map(|s| s.snapshot()).collect();
+        let snapshots: Vec<_> = stats.iter().map(|s| s.stats()).collect();
         let settled: u64 = snapshots.iter().map(|s| s.completed + s.duplicates).sum();
         if settled as usize >= count {
             break;
@@ -855,9 +855,9 @@ async fn forwarding(
         })
         .start()
         .await?;
-    let stats = runtime.shared_stats();
+    let stats = runtime.monitor();
     loop {
-        let s = stats.snapshot();
+        let s = stats.stats();
         if (s.completed + s.duplicates) as usize >= count && forward.count() >= unique {
             break;
         }
@@ -1077,7 +1077,7 @@ async fn outbox(rows: usize) -> Result<()> {
         )
         .await?;
     let started = Instant::now();
-    let runtime = Runtime::builder(settings.clone().validate()?).build().await?;
+    let runtime = Runtime::builder(settings.clone().validate()?).start().await?;
     // Watched through the stats: polling the table would compete with the
     // dispatcher for the database.
     while runtime.stats().outbox_dispatched < rows as u64 {

@@ -44,7 +44,7 @@ pub struct Health {
 /// Whether an actor still runs (its mailbox is open).
 type Running = Box<dyn Fn() -> bool + Send + Sync>;
 
-/// What the runtime's parts report, read by [`HealthCheck::check`].
+/// What the runtime's parts report, read by [`Monitor`](crate::Monitor).
 pub(crate) struct HealthState {
     /// The queues the settings ask to consume (over a broker).
     pub(crate) queues: Vec<String>,
@@ -82,36 +82,11 @@ impl HealthState {
             consumers.push((queue.to_owned(), connected));
         }
     }
-}
-
-/// A handle on the runtime's health, cheap to clone and to keep after the
-/// runtime has moved into [`run_until`](crate::Runtime::run_until): hand it
-/// to the HTTP server's health endpoints.
-#[derive(Clone)]
-pub struct HealthCheck {
-    pub(crate) state: Arc<HealthState>,
-}
-
-impl std::fmt::Debug for HealthCheck {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HealthCheck").finish_non_exhaustive()
-    }
-}
-
-impl HealthCheck {
-    /// Liveness and readiness now.
-    pub async fn check(&self) -> Health {
-        Health {
-            live: self.live(),
-            ready: self.ready().await,
-        }
-    }
 
     /// Live: every actor of the runtime runs. Asks nothing of the database
     /// or the broker.
-    pub fn live(&self) -> Probe {
+    pub(crate) fn live(&self) -> Probe {
         let stopped = self
-            .state
             .actors
             .lock()
             .map(|actors| {
@@ -129,8 +104,8 @@ impl HealthCheck {
     /// answers (a `SELECT 1` within a second, unless an outage is being
     /// waited out or every connection is busy with messages), and the
     /// runtime is not draining.
-    pub async fn ready(&self) -> Probe {
-        let state = &self.state;
+    pub(crate) async fn ready(&self) -> Probe {
+        let state = self;
         let mut reasons = Vec::new();
         if state.draining.load(Ordering::Relaxed) {
             reasons.push("draining: the runtime is shutting down".to_owned());

@@ -46,6 +46,7 @@ mod handler;
 mod health;
 mod link;
 pub mod metrics;
+mod monitor;
 mod outbox;
 mod publisher;
 mod retention;
@@ -54,8 +55,9 @@ mod settle;
 mod stats;
 
 pub use dedup::{DedupActor, Deliver, DeliverBatch};
-pub use health::{Health, HealthCheck, Probe};
+pub use health::{Health, Probe};
 pub use inbox::{Abandoned, Outcome};
+pub use monitor::Monitor;
 pub use publisher::Publisher;
 pub use retention::{RetentionActor, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder, shutdown_signal};

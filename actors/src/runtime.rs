@@ -20,8 +20,9 @@ use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::dedup::{DedupActor, Route, Routes};
 use crate::handler::{Decodes, HandledTypes, HandlerActor, HandlerSource};
-use crate::health::{Health, HealthCheck, HealthState};
+use crate::health::{Health, HealthState};
 use crate::link::Link;
+use crate::monitor::Monitor;
 use crate::outbox::{OutboxActor, StopDispatching};
 use crate::publisher::Publisher;
 use crate::retention::{RetentionActor, StopSweeping};
@@ -102,8 +103,12 @@ impl RuntimeBuilder {
         self
     }
 
-    /// [`build`](Self::build)s the runtime and starts consuming at once.
-    /// Call it inside an actix `System` (`#[actix::main]`, `#[actix::test]`).
+    /// Starts the runtime: checks the handlers, waits for the database and
+    /// runs the migrations (the inbox's, then [`migrations`](Self::migrations)),
+    /// starts the actors and, for `rabbitmq`, connects, declares the
+    /// exchange and every queue's topology and starts consuming. Call it
+    /// inside an actix `System` (`#[actix::main]`, `#[actix::test]`); end
+    /// it with [`Runtime::run_until`] or [`Runtime::shutdown`].
     pub async fn start(self) -> Result<Runtime> {
         let mut runtime = self.build().await?;
         if let Err(e) = runtime.consume().await {
@@ -113,14 +118,8 @@ impl RuntimeBuilder {
         Ok(runtime)
     }
 
-    /// Gets everything ready and consumes nothing yet: checks the
-    /// handlers, waits for the database and runs the migrations, starts the
-    /// actors and, for `rabbitmq`, connects the publisher and declares the
-    /// exchange and every queue's topology. The service can then set up
-    /// its own tables through [`Runtime::pool`] before
-    /// [`run_until`](Runtime::run_until) (or [`consume`](Runtime::consume))
-    /// starts consuming. Call it inside an actix `System`.
-    pub async fn build(self) -> Result<Runtime> {
+    /// Everything [`start`](Self::start) does but consuming.
+    async fn build(self) -> Result<Runtime> {
         let Self {
             settings,
             routes,
@@ -291,9 +290,9 @@ impl std::fmt::Debug for RuntimeBuilder {
     }
 }
 
-/// A built runtime. Keep it for as long as the service runs; end it with
-/// [`shutdown`](Self::shutdown), or run it with [`run_until`](Self::run_until) or
-/// [`run_until_signal`](Self::run_until_signal), which end with one.
+/// A started runtime, consuming. Keep it for as long as the service runs;
+/// end it with [`run_until`](Self::run_until) (a signal, say), or with
+/// [`shutdown`](Self::shutdown) when the service ends it itself.
 ///
 /// ```no_run
 /// use inbox::{EventHandler, HandlerError, IntegrationEvent, Settings, UnitOfWork};
@@ -318,8 +317,10 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// #[actix::main]
 /// async fn main() -> inbox::Result<()> {
 ///     let settings = Settings::load()?;
+///     let signal = inbox_actors::shutdown_signal()?;
 ///     let runtime = Runtime::builder(settings).handler(RecordOrder).start().await?;
-///     runtime.run_until_signal().await
+///     runtime.run_until(signal).await;
+///     Ok(())
 /// }
 /// ```
 pub struct Runtime {
@@ -412,7 +413,7 @@ impl Runtime {
 
     /// Starts consuming every configured queue (`rabbitmq`; nothing to do
     /// for `in_process`, or when it consumes already).
-    pub async fn consume(&mut self) -> Result<()> {
+    async fn consume(&mut self) -> Result<()> {
         if self.settings.message_bus.provider != Provider::Rabbitmq || !self.consumers.is_empty() {
             return Ok(());
         }
@@ -454,16 +455,7 @@ impl Runtime {
 
     /// Liveness and readiness now, with the reasons (see [`Health`]).
     pub async fn health(&self) -> Health {
-        self.health_check().check().await
-    }
-
-    /// A handle on [`health`](Self::health) to keep after the runtime has
-    /// moved into [`run_until`](Self::run_until): give it to the health
-    /// endpoints.
-    pub fn health_check(&self) -> HealthCheck {
-        HealthCheck {
-            state: Arc::clone(&self.health),
-        }
+        self.monitor().health().await
     }
 
     /// What the runtime has done so far.
@@ -471,10 +463,14 @@ impl Runtime {
         self.stats.snapshot()
     }
 
-    /// The live counters, to read after the runtime has moved (a progress
-    /// log, a metrics exporter).
-    pub fn shared_stats(&self) -> Arc<Stats> {
-        Arc::clone(&self.stats)
+    /// [`health`](Self::health) and [`stats`](Self::stats) on a handle to
+    /// keep after the runtime has moved into [`run_until`](Self::run_until):
+    /// give it to the health endpoints or a progress log.
+    pub fn monitor(&self) -> Monitor {
+        Monitor {
+            health: Arc::clone(&self.health),
+            stats: Arc::clone(&self.stats),
+        }
     }
 
     /// A unit of work on the inbox's pool, for application code (an HTTP
@@ -512,30 +508,13 @@ impl Runtime {
         &self.settings
     }
 
-    /// Consumes (see [`consume`](Self::consume)) until `shutdown`
-    /// resolves, then [`shutdown`](Self::shutdown)s: the messages in flight
-    /// finish within one `runtime.shutdown_timeout`. `shutdown` is
-    /// whatever ends the service: a signal, an HTTP server's end, a
-    /// channel. If consuming cannot start, shuts down and returns why.
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        if let Err(e) = self.consume().await {
-            self.shutdown().await;
-            return Err(e);
-        }
+    /// Runs until `shutdown` resolves, then [`shutdown`](Self::shutdown)s:
+    /// the messages in flight finish within one `runtime.shutdown_timeout`.
+    /// `shutdown` is whatever ends the service: [`shutdown_signal`], an
+    /// HTTP server's end, a channel.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
         shutdown.await;
         self.shutdown().await;
-        Ok(())
-    }
-
-    /// [`run_until`](Self::run_until) SIGINT or SIGTERM (Ctrl-C on other
-    /// systems). The signals are listened for before consuming starts.
-    pub async fn run_until_signal(self) -> Result<()> {
-        let signal = shutdown_signal()?;
-        self.run_until(async {
-            signal.await;
-            tracing::info!("shutdown signal received");
-        })
-        .await
     }
 
     /// Stops consuming, lets the messages in flight finish (at most
@@ -594,20 +573,18 @@ fn hand_over(mut held: tokio::sync::mpsc::UnboundedReceiver<inbox::Outgoing>, si
     });
 }
 
-/// A future that resolves on SIGINT or SIGTERM (Ctrl-C elsewhere); the
-/// handlers are in place once this returns. A signal handler that cannot
-/// be installed, or fails later, is an error now, or a shutdown then.
 /// Whether the actor at `address` runs, asked without keeping it alive.
 fn running<A: Actor>(address: &Addr<A>) -> impl Fn() -> bool + Send + Sync + 'static {
     let weak = address.downgrade();
     move || weak.upgrade().is_some_and(|address| address.connected())
 }
 
-/// What [`Runtime::run_until_signal`] waits for: SIGINT or SIGTERM (Ctrl-C
-/// on other systems), listened for from this call on. A service that also
-/// serves HTTP hands it to one task that stops the server and ends the
-/// runtime's [`run_until`](Runtime::run_until) future, so that one signal
-/// drains both at once.
+/// A future that resolves on SIGINT or SIGTERM (Ctrl-C on other systems),
+/// listened for from this call on, for [`Runtime::run_until`]. A signal
+/// handler that cannot be installed is an error now; one that fails later
+/// ends the wait. A service that also serves HTTP hands it to one task
+/// that stops the server and ends the runtime's `run_until` future, so
+/// that one signal drains both at once.
 pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
     #[cfg(unix)]
     {
@@ -622,6 +599,7 @@ pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
                 _ = terminate.recv() => {}
                 _ = interrupt.recv() => {}
             }
+            tracing::info!("shutdown signal received");
         })
     }
     #[cfg(not(unix))]

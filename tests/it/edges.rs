@@ -281,7 +281,7 @@ async fn a_handler_stuck_past_the_transaction_timeout_gives_its_connection_back(
         .start()
         .await
         .unwrap();
-    let health = runtime.health_check();
+    let health = runtime.monitor();
     publish_keys(&runtime, &env.queue, [7]).await;
     // Let it time out more often than the pool has connections: each
     // attempt used to keep one until its handler returned, an hour on.
@@ -401,7 +401,7 @@ async fn after_broker_outages_longer_than_the_connect_timeout_one_consumer_remai
         tokio::time::sleep(Duration::from_secs(12)).await;
         proxy.restore();
         wait_until("the consumer consumes again", || async {
-            runtime.health_check().ready().await.ok
+            runtime.monitor().ready().await.ok
         })
         .await;
         // Whatever was delivered on a second, unsettled link would stay

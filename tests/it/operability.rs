@@ -15,32 +15,20 @@ use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publis
 #[actix_rt::test]
 async fn ready_once_consuming_and_no_longer_while_draining_live_all_along() {
     let env = TestEnv::new("health_lifecycle").await;
-    let mut runtime = Runtime::builder(env.settings().valid())
+    let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
-        .build()
+        .start()
         .await
         .unwrap();
-    let health = runtime.health_check();
-    let built = runtime.health().await;
-    assert!(built.live.ok, "{built:?}");
-    assert!(!built.ready.ok, "ready before consuming: {built:?}");
-    assert!(
-        built
-            .ready
-            .reasons
-            .iter()
-            .any(|r| r.contains(&env.queue) && r.contains("not consumed")),
-        "{built:?}"
-    );
-
-    runtime.consume().await.unwrap();
-    wait_until("ready once consuming", || async { health.ready().await.ok }).await;
-    let consuming = health.check().await;
+    let monitor = runtime.monitor();
+    assert!(runtime.health().await.live.ok);
+    wait_until("ready once consuming", || async { monitor.ready().await.ok }).await;
+    let consuming = monitor.health().await;
     assert_eq!(consuming.ready.reasons, Vec::<String>::new());
     assert!(consuming.live.ok);
 
     runtime.shutdown().await;
-    let stopped = health.ready().await;
+    let stopped = monitor.ready().await;
     assert!(!stopped.ok);
     assert!(
         stopped.reasons.iter().any(|r| r.contains("draining")),

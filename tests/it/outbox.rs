@@ -675,7 +675,7 @@ async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize, r
     // Staged by one runtime's unit of work, dispatched by the next one.
     let staging = Runtime::builder(settings.clone().valid())
         .handler(crate::support::Count)
-        .build()
+        .start()
         .await
         .unwrap();
     let mut uow = staging.unit_of_work().await.unwrap();
@@ -689,7 +689,7 @@ async fn a_backlog_arrives_once_in_staging_order(name: &str, pool_size: usize, r
     uow.commit().await.unwrap();
     let runtime = Runtime::builder(settings.valid())
         .handler(crate::support::Count)
-        .build()
+        .start()
         .await
         .unwrap();
     outbox_empties(&env).await;
@@ -728,7 +728,7 @@ async fn a_runtimes_own_commits_wake_its_dispatcher_in_process_without_notifying
     settings.outbox.poll_interval = Duration::from_secs(60);
     let runtime = Runtime::builder(settings.clone().valid())
         .handler(crate::support::Count)
-        .build()
+        .start()
         .await
         .unwrap();
     // Another process listening, as other instances' dispatchers do.

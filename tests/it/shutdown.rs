@@ -41,10 +41,10 @@ async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
         started.load(Ordering::SeqCst)
     })
     .await;
-    let stats = runtime.shared_stats();
+    let monitor = runtime.monitor();
     runtime.shutdown().await;
 
-    assert_eq!(stats.snapshot().completed, 1, "the message in flight finished");
+    assert_eq!(monitor.stats().completed, 1, "the message in flight finished");
     assert_eq!(env.count("counts", 0).await, 1);
     assert_eq!(
         env.ready(&env.queue).await,
@@ -103,27 +103,14 @@ async fn shutdown_gives_up_at_its_timeout_and_the_unfinished_message_is_not_lost
 }
 
 #[actix_rt::test]
-async fn build_declares_without_consuming_and_run_until_consumes_until_its_future_resolves() {
+async fn run_until_consumes_until_its_future_resolves_then_drains() {
     let env = TestEnv::new("lifecycle").await;
     let runtime = Runtime::builder(env.settings().valid())
         .handler(Count)
-        .build()
-        .await
-        .unwrap();
-    // Declared, and nobody consumes yet: the service sets up its own tables.
-    assert_eq!(env.consumers(&env.queue).await, Some(0));
-    runtime
-        .pool()
-        .get()
-        .await
-        .unwrap()
-        .batch_execute("CREATE TABLE service_own (id bigint)")
+        .start()
         .await
         .unwrap();
     publish_keys(&runtime, &env.queue, 0..3).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.ready(&env.queue).await, 3, "built, not consuming");
-
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = actix_rt::spawn(runtime.run_until(async {
         let _ = stopped.await;
@@ -133,7 +120,7 @@ async fn build_declares_without_consuming_and_run_until_consumes_until_its_futur
     })
     .await;
     let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.await.unwrap();
     assert_eq!(env.consumers(&env.queue).await, Some(0), "it stopped consuming");
     assert_eq!(env.ready(&env.queue).await, 0);
 }
