@@ -84,7 +84,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> inbox::Result<()> {
+async fn run() -> common::Result<()> {
     let mut settings = common::settings()?;
     if std::env::args().any(|a| a == "--remove") {
         return remove(&settings).await;
@@ -169,7 +169,7 @@ async fn serve(
     signal: impl Future<Output = ()> + 'static,
     address: &str,
     metrics: PrometheusHandle,
-) -> inbox::Result<()> {
+) -> common::Result<()> {
     let endpoints = Endpoints {
         health: runtime.monitor(),
         metrics,
@@ -185,7 +185,7 @@ async fn serve(
     .disable_signals() // one signal handler for the whole service
     .shutdown_timeout(20) // within runtime.shutdown_timeout, below the grace period
     .bind(address)
-    .map_err(|e| inbox::Error::Runtime(format!("--http {address}: cannot listen: {e}")))?
+    .map_err(|e| common::BoxError::from(format!("--http {address}: cannot listen: {e}")))?
     .run();
     tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
     let http = server.handle();
@@ -202,7 +202,7 @@ async fn serve(
             let _ = stopped.await;
         })
     );
-    served.map_err(|e| inbox::Error::Runtime(format!("the HTTP server failed: {e}")))
+    served.map_err(|e| common::BoxError::from(format!("the HTTP server failed: {e}")))
 }
 
 async fn live(endpoints: web::Data<Endpoints>) -> HttpResponse {
@@ -270,7 +270,7 @@ impl<E: CheckIn> EventHandler<E> for AbortOn {
 }
 
 /// Drops the service's database and deletes its queues (`--remove`).
-async fn remove(settings: &inbox::Settings) -> inbox::Result<()> {
+async fn remove(settings: &inbox::Settings) -> common::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --remove").await?;
     let channel = connection.create_channel().await?;
     let wire = settings.message_bus.wire;
@@ -305,7 +305,7 @@ async fn declare_forward_queue(
     settings: &inbox::Settings,
     queue: &str,
     recorded: Option<&str>,
-) -> inbox::Result<()> {
+) -> common::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
     inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;

@@ -51,10 +51,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{AttendeeCheckedIn, XorShift};
+use common::{BoxError as Error, Result};
 use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use inbox::lapin::types::FieldTable;
 use inbox::lapin::{BasicProperties, Connection};
-use inbox::{AmqpPublisher, Error, Message, QueueSettings, Result, Settings, Wire, amqp};
+use inbox::{AmqpPublisher, Message, QueueSettings, Settings, Wire, amqp};
 
 const DATABASE: &str = "inbox_faults";
 const EVENTS: usize = 5000;
@@ -89,7 +90,7 @@ async fn main() -> ExitCode {
 }
 
 fn fail(what: impl Into<String>) -> Error {
-    Error::Runtime(what.into())
+    Error::from(what.into())
 }
 
 /// What was published, to check against.
@@ -915,7 +916,7 @@ async fn publish_event(
     publisher: &AmqpPublisher,
     queue: &str,
     message: &Message<AttendeeCheckedIn>,
-) -> Result<()> {
+) -> inbox::Result<()> {
     match publisher.wire() {
         Wire::Inbox => publisher.publish(queue, message).await,
         Wire::Masstransit => {

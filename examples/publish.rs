@@ -27,12 +27,12 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> inbox::Result<()> {
+async fn run() -> common::Result<()> {
     let count: usize = common::parsed_arg("--count", 1000);
     let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
     let failing: usize = common::parsed_arg("--failing", 0);
     if !(0.0..1.0).contains(&dup_ratio) {
-        return Err(inbox::Error::Runtime(format!(
+        return Err(common::BoxError::from(format!(
             "--dup-ratio {dup_ratio} must be in [0, 1)"
         )));
     }

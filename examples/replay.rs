@@ -33,14 +33,14 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> inbox::Result<()> {
+async fn run() -> common::Result<()> {
     let mut only = HashSet::new();
     let mut args = std::env::args();
     while let Some(arg) = args.next() {
         if arg == "--message-id" {
             let text = args.next().unwrap_or_default();
             let id = Uuid::try_parse(&text)
-                .map_err(|_| inbox::Error::Runtime(format!("--message-id `{text}` is not a UUID")))?;
+                .map_err(|_| common::BoxError::from(format!("--message-id `{text}` is not a UUID")))?;
             only.insert(id);
         }
     }
@@ -56,7 +56,7 @@ async fn run() -> inbox::Result<()> {
             return Ok(());
         }
         Some(other) => {
-            return Err(inbox::Error::Runtime(format!(
+            return Err(common::BoxError::from(format!(
                 "--from `{other}`: expected `error`, `skipped` or `outbox`"
             )));
         }

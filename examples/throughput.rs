@@ -85,6 +85,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
+use common::{BoxError as Error, Result};
 use futures_util::StreamExt;
 use inbox::deadpool_postgres::Pool;
 use inbox::lapin::options::{
@@ -92,7 +93,7 @@ use inbox::lapin::options::{
 };
 use inbox::lapin::types::FieldTable;
 use inbox::lapin::{BasicProperties, Channel, Connection, Consumer};
-use inbox::{Error, Message, QueueSettings, Result, Settings, amqp};
+use inbox::{Message, QueueSettings, Settings, amqp};
 use inbox_actors::Runtime;
 use tokio::sync::Mutex;
 
@@ -231,7 +232,7 @@ async fn run() -> Result<()> {
         .split(',')
         .map(str::parse)
         .collect::<std::result::Result<_, _>>()
-        .map_err(Error::Runtime)?;
+        .map_err(Error::from)?;
 
     let mut settings = common::settings()?.into_inner();
     settings.database.name = Some(DATABASE.into());
@@ -554,7 +555,7 @@ async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> R
         }
         for confirm in confirms {
             if !confirm.await?.is_ack() {
-                return Err(Error::Runtime(format!(
+                return Err(Error::from(format!(
                     "prefill: the broker nacked a message for {queue}"
                 )));
             }
@@ -622,7 +623,7 @@ async fn raw(connection: &Connection, queue: &QueueSettings, count: usize) -> Re
     let latencies = Latencies::default();
     for _ in 0..count {
         let Some(delivery) = consumer.next().await else {
-            return Err(Error::Runtime("raw: the consumer ended early".into()));
+            return Err(Error::from("raw: the consumer ended early"));
         };
         let arrived = Instant::now();
         delivery?.ack(BasicAckOptions::default()).await?;
@@ -656,7 +657,7 @@ async fn handwritten(
     let finished = Arc::new(std::sync::Mutex::new(Some(finished)));
     for _ in 0..count {
         let Some(delivery) = consumer.next().await else {
-            return Err(Error::Runtime("handwritten: the consumer ended early".into()));
+            return Err(Error::from("handwritten: the consumer ended early"));
         };
         let delivery = delivery?;
         let arrived = Instant::now();
@@ -683,7 +684,7 @@ async fn handwritten(
     }
     all_done
         .await
-        .map_err(|_| Error::Runtime("handwritten: a message failed".into()))?;
+        .map_err(|_| Error::from("handwritten: a message failed"))?;
     let seconds = started.elapsed().as_secs_f64();
     channel.close(200, "done".into()).await?;
     let (p50, p99) = latencies.quantiles().await;
@@ -713,9 +714,9 @@ async fn process_by_hand(
         .message_id()
         .as_ref()
         .and_then(|id| uuid::Uuid::try_parse(id.as_str()).ok())
-        .ok_or_else(|| Error::Runtime("no message_id".into()))?;
+        .ok_or_else(|| Error::from("no message_id"))?;
     let event: AttendeeCheckedIn =
-        serde_json::from_slice(&delivery.data).map_err(|e| Error::Runtime(format!("body: {e}")))?;
+        serde_json::from_slice(&delivery.data).map_err(|e| Error::from(format!("body: {e}")))?;
     let mut client = pool.get().await?;
     let claim = client
         .prepare_cached(
@@ -769,9 +770,7 @@ async fn process_by_hand(
             .await?
             .await?;
         if !confirmation.is_ack() || confirmation.take_message().is_some() {
-            return Err(Error::Runtime(
-                "handwritten: a follow-up was not confirmed".into(),
-            ));
+            return Err(Error::from("handwritten: a follow-up was not confirmed"));
         }
         client
             .execute(
@@ -810,7 +809,7 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances
             .iter()
             .find(|s| s.rejected + s.skipped + s.dead_lettered > 0)
         {
-            return Err(Error::Runtime(format!("the runtime set messages aside: {s:?}")));
+            return Err(Error::from(format!("the runtime set messages aside: {s:?}")));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
@@ -862,7 +861,7 @@ async fn forwarding(
             break;
         }
         if s.rejected + s.skipped + s.dead_lettered > 0 {
-            return Err(Error::Runtime(format!("the runtime set messages aside: {s:?}")));
+            return Err(Error::from(format!("the runtime set messages aside: {s:?}")));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
@@ -999,7 +998,7 @@ async fn actor_hop(round_trips: u64) -> Result<()> {
         sum += echo
             .send(Ping(n))
             .await
-            .map_err(|e| Error::Runtime(format!("the echo actor is gone: {e}")))?;
+            .map_err(|e| Error::from(format!("the echo actor is gone: {e}")))?;
     }
     let elapsed = started.elapsed();
     std::hint::black_box(sum);
@@ -1035,7 +1034,7 @@ async fn outbox(rows: usize) -> Result<()> {
         attendee_id: 1,
         session_id: 1,
     })
-    .map_err(|e| Error::Runtime(e.to_string()))?;
+    .map_err(|e| Error::from(e.to_string()))?;
 
     // Raw confirmed publishing of the same messages.
     let publisher = inbox::AmqpPublisher::new(&connection, "").await?;

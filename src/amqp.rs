@@ -44,7 +44,7 @@ static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
 ///
 /// Tries again for up to `message_bus.connect_timeout`: a broker that is
 /// down or unreachable at start is a WARN per attempt naming its host and
-/// port (never the password), then an [`Error::Unreachable`], never a
+/// port (never the password), then an error of kind [`Unreachable`](crate::ErrorKind::Unreachable), never a
 /// silent hang. With several nodes, a failed attempt moves on to the next
 /// node at once, each attempt bounded by its share of the timeout (a node
 /// whose packets vanish must not take all of it), and a pause that grows
@@ -98,17 +98,17 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
         };
         let remaining = timeout.saturating_sub(started.elapsed());
         if remaining.is_zero() {
-            return Err(Error::Unreachable {
-                service: "broker",
-                endpoint: if urls.len() == 1 {
+            return Err(Error::unreachable(
+                "broker",
+                if urls.len() == 1 {
                     endpoint
                 } else {
                     settings.broker_endpoint()
                 },
-                waited: timeout,
-                key: "message_bus.connect_timeout",
+                timeout,
+                "message_bus.connect_timeout",
                 cause,
-            });
+            ));
         }
         if tried_in_round < urls.len() {
             tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying the next node");
@@ -165,7 +165,7 @@ fn log_alarms(connection: &Connection, name: &str, endpoint: &str) {
 
 /// Declares `Q`, its retry tiers, `Q.error` and `Q.skipped`: durable, of the
 /// queue's kind. Idempotent; a queue that exists with other arguments is an
-/// [`Error::Topology`] naming it and the difference.
+/// error of kind [`Topology`](crate::ErrorKind::Topology) naming it and the difference.
 ///
 /// No queue of these can drop a message on RabbitMQ 4, where a quorum queue
 /// without a delivery limit gets one of 20 and drops past it:
@@ -248,9 +248,8 @@ pub async fn declare_wire_topology(
     }
     if wire == Wire::Masstransit {
         for message_type in message_types {
-            crate::limits::check_name("message type", message_type).map_err(|reason| Error::Exchange {
-                exchange: crate::fault::truncate(message_type, 64).into_owned(),
-                reason,
+            crate::limits::check_name("message type", message_type).map_err(|reason| {
+                Error::exchange(crate::fault::truncate(message_type, 64).into_owned(), reason)
             })?;
         }
         fanout_exchange(channel, &queue.name).await?;
@@ -267,10 +266,8 @@ pub async fn declare_wire_topology(
 /// exchange: how a MassTransit consumer of a message type receives what is
 /// published to the type's exchange (`Namespace:Type`).
 pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> Result<()> {
-    crate::limits::check_name("exchange", exchange).map_err(|reason| Error::Exchange {
-        exchange: crate::fault::truncate(exchange, 64).into_owned(),
-        reason,
-    })?;
+    crate::limits::check_name("exchange", exchange)
+        .map_err(|reason| Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason))?;
     fanout_exchange(channel, exchange).await?;
     channel
         .queue_bind(
@@ -281,9 +278,11 @@ pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> R
             FieldTable::default(),
         )
         .await
-        .map_err(|e| Error::Topology {
-            queue: queue.to_owned(),
-            reason: format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
+        .map_err(|e| {
+            Error::topology(
+                queue.to_owned(),
+                format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
+            )
         })?;
     Ok(())
 }
@@ -300,9 +299,11 @@ async fn bind_exchange(channel: &Channel, source: &str, destination: &str) -> Re
             FieldTable::default(),
         )
         .await
-        .map_err(|e| Error::Exchange {
-            exchange: source.to_owned(),
-            reason: format!("binding it to exchange `{destination}`: {}", crate::describe(&e)),
+        .map_err(|e| {
+            Error::exchange(
+                source.to_owned(),
+                format!("binding it to exchange `{destination}`: {}", crate::describe(&e)),
+            )
         })
 }
 
@@ -316,10 +317,7 @@ async fn fanout_exchange(channel: &Channel, name: &str) -> Result<()> {
     channel
         .exchange_declare(name.into(), ExchangeKind::Fanout, options, FieldTable::default())
         .await
-        .map_err(|e| Error::Exchange {
-            exchange: name.to_owned(),
-            reason: crate::describe(&e),
-        })
+        .map_err(|e| Error::exchange(name.to_owned(), crate::describe(&e)))
 }
 
 /// Binds the queue `name` to the exchange of its name.
@@ -333,9 +331,11 @@ async fn bind_queue(channel: &Channel, name: &str) -> Result<()> {
             FieldTable::default(),
         )
         .await
-        .map_err(|e| Error::Topology {
-            queue: name.to_owned(),
-            reason: format!("binding it to its exchange: {}", crate::describe(&e)),
+        .map_err(|e| {
+            Error::topology(
+                name.to_owned(),
+                format!("binding it to its exchange: {}", crate::describe(&e)),
+            )
         })?;
     Ok(())
 }
@@ -362,13 +362,10 @@ async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Resul
     channel
         .queue_declare(queue.into(), options, arguments)
         .await
-        .map_err(|e| Error::Topology {
-            queue: queue.to_owned(),
-            reason: format!(
+        .map_err(|e| Error::topology(queue.to_owned(), format!(
                 "{e} (a queue that exists with other arguments must be re-declared, or the settings changed to \
                  match it: docs/operations.md, \"Upgrading queues\")"
-            ),
-        })?;
+            )))?;
     Ok(())
 }
 
@@ -390,10 +387,10 @@ fn text(value: &str) -> AMQPValue {
 ///
 /// Before a message is sent it must fit what the broker takes
 /// ([`crate::limits`]): else it fails alone, as
-/// [`Error::Unpublishable`], rather than close the connection for every
+/// an error of kind [`Unpublishable`](crate::ErrorKind::Unpublishable), rather than close the connection for every
 /// other publish on it. Nothing is sent while the broker blocks the
 /// connection (a resource alarm): a publish waits for the alarm to lift
-/// within its confirm timeout, then fails as [`Error::Blocked`]. A
+/// within its confirm timeout, then fails as an error of kind [`Blocked`](crate::ErrorKind::Blocked). A
 /// returned (unroutable) message is matched to its publish by
 /// `message_id`.
 #[derive(Clone)]
@@ -545,9 +542,8 @@ impl AmqpPublisher {
         }
         for exchange in std::iter::once(&name).chain(implements) {
             // A name past 255 bytes would panic in the client.
-            crate::limits::check_name("exchange", exchange).map_err(|reason| Error::Exchange {
-                exchange: crate::fault::truncate(exchange, 64).into_owned(),
-                reason,
+            crate::limits::check_name("exchange", exchange).map_err(|reason| {
+                Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason)
             })?;
         }
         fanout_exchange(&channel, name).await?;
@@ -571,7 +567,7 @@ impl AmqpPublisher {
 
     /// Declares `exchange` (durable, of type topic) unless it is the default
     /// exchange `""`. An exchange that exists with another type is an
-    /// [`Error::Exchange`] naming it.
+    /// error of kind [`Topology`](crate::ErrorKind::Topology) naming it.
     pub async fn declare_exchange(&self) -> Result<()> {
         if self.exchange.is_empty() {
             return Ok(());
@@ -589,10 +585,7 @@ impl AmqpPublisher {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| Error::Exchange {
-                exchange: self.exchange.clone(),
-                reason: crate::describe(&e),
-            })
+            .map_err(|e| Error::exchange(self.exchange.clone(), crate::describe(&e)))
     }
 
     /// Publishes `message` with its id as `message_id`, its type as `type`,
@@ -696,11 +689,8 @@ impl AmqpPublisher {
     ) -> Result<()> {
         let id = properties.message_id().as_ref().map(|id| id.as_str().to_owned());
         let message_id = id.clone().unwrap_or_else(|| "none".to_owned());
-        let not_confirmed = |reason: String| Error::NotConfirmed {
-            message_id: message_id.clone(),
-            routing_key: routing_key.to_owned(),
-            reason,
-        };
+        let not_confirmed =
+            |reason: String| Error::not_confirmed(message_id.clone(), routing_key.to_owned(), reason);
         let options = BasicPublishOptions {
             // With it, an unroutable message comes back instead of vanishing.
             mandatory,
@@ -714,18 +704,17 @@ impl AmqpPublisher {
         if !unblocked_within(&connection, self.confirm_timeout).await {
             // Sent now, it would wait in the client past its confirm
             // timeout, and go out with every copy a caller tried again.
-            return Err(Error::Blocked {
-                message_id,
-                routing_key: routing_key.to_owned(),
-            });
+            return Err(Error::blocked(message_id, routing_key.to_owned()));
         }
         // Past a frame, the broker would close the whole connection,
         // failing every publish and ack in flight on it.
         let frame_max = connection.configuration().frame_max();
-        crate::limits::check_properties(&properties, frame_max).map_err(|reason| Error::Unpublishable {
-            message_id: message_id.clone(),
-            routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
-            reason,
+        crate::limits::check_properties(&properties, frame_max).map_err(|reason| {
+            Error::unpublishable(
+                message_id.clone(),
+                crate::fault::truncate(routing_key, 64).into_owned(),
+                reason,
+            )
         })?;
         let confirmed = async {
             let confirm = channel
@@ -744,11 +733,11 @@ impl AmqpPublisher {
                     tracing::debug!(%message_id, "the broker blocked the connection; waiting for the confirm");
                 }
                 Err(_) => {
-                    return Err(Error::NoConfirm {
+                    return Err(Error::no_confirm(
                         message_id,
-                        routing_key: routing_key.to_owned(),
-                        waited: self.confirm_timeout,
-                    });
+                        routing_key.to_owned(),
+                        self.confirm_timeout,
+                    ));
                 }
             }
         };
@@ -928,10 +917,7 @@ pub async fn replay_on(
     let waiting = channel
         .queue_declare(source.as_str().into(), passive, FieldTable::default())
         .await
-        .map_err(|e| Error::Topology {
-            queue: source.clone(),
-            reason: e.to_string(),
-        })?
+        .map_err(|e| Error::topology(source.clone(), e.to_string()))?
         .message_count();
     let publisher = AmqpPublisher::new(connection, "").await?;
     let mut report = ReplayReport::default();

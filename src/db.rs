@@ -50,14 +50,19 @@ fn build_pool(settings: &Settings, config: tokio_postgres::Config) -> Result<Poo
         .wait_timeout(Some(settings.database.transaction_timeout))
         .recycle_timeout(Some(settings.database.connect_timeout))
         .build()
-        .map_err(|e| Error::Runtime(format!("cannot build the database pool: {e}")))
+        .map_err(|e| {
+            Error::new(
+                crate::ErrorKind::Settings,
+                format!("cannot build the database pool: {e}"),
+            )
+        })
 }
 
 /// A connection from `pool`, waiting for the database the way a start
 /// should: a database that is down or unreachable is tried again with a
 /// growing pause for up to `database.connect_timeout`, each failed attempt a
 /// WARN naming it (host, port and database, never the password), then an
-/// [`Error::Unreachable`]. A database that answers but refuses (it does not
+/// error of kind [`Unreachable`](crate::ErrorKind::Unreachable). A database that answers but refuses (it does not
 /// exist, a wrong password) fails at once, with the server's own words.
 pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Object> {
     let endpoint = settings.database_endpoint();
@@ -67,21 +72,24 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
     loop {
         let error = match pool.get().await {
             Ok(connection) => return Ok(connection),
-            Err(e) => Error::Pool(e),
+            Err(e) => Error::from(e),
         };
         if !error.is_unavailable() {
-            return Err(Error::Runtime(format!("database {endpoint}: {error}")));
+            return Err(Error::new(
+                crate::ErrorKind::Database,
+                format!("database {endpoint}: {error}"),
+            ));
         }
         let cause = crate::describe(&error);
         let remaining = timeout.saturating_sub(started.elapsed());
         if remaining.is_zero() {
-            return Err(Error::Unreachable {
-                service: "database",
+            return Err(Error::unreachable(
+                "database",
                 endpoint,
-                waited: timeout,
-                key: "database.connect_timeout",
+                timeout,
+                "database.connect_timeout",
                 cause,
-            });
+            ));
         }
         let pause = backoff.next_pause().min(remaining);
         tracing::warn!(database = %endpoint, %cause, "cannot connect to the database; trying again in {pause:?}");

@@ -59,10 +59,57 @@ impl Permanent {
 /// `inbox::Result::Ok(())` infers.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Everything that can go wrong in `inbox`, outside a handler's own code.
-#[derive(Debug, thiserror::Error)]
+/// Everything that can go wrong in `inbox`, outside a handler's own code:
+/// a [kind](Error::kind), a message that names what failed (the setting,
+/// the message, the queue, where it tried to connect), and the cause as
+/// its [`source`](std::error::Error::source). Opaque, as tokio-postgres's
+/// is: the clients it wraps are not part of its API, so they can be
+/// upgraded without breaking a service.
+pub struct Error(Box<Repr>);
+
+/// What kind of failure an [`Error`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Error {
+pub enum ErrorKind {
+    /// A setting has a value the runtime cannot use (the message names it
+    /// as `section.key`), or the settings could not be read.
+    Settings,
+    /// The service asked for something the runtime cannot do: two event
+    /// types with one name, no handler at all, migrations out of order, a
+    /// publish on a unit of work without an outbox, a commit after a
+    /// failed statement.
+    Usage,
+    /// The start could not reach the database or the broker within its
+    /// connect timeout.
+    Unreachable,
+    /// A PostgreSQL statement failed, or no connection could be had.
+    Database,
+    /// A RabbitMQ operation failed.
+    Broker,
+    /// A queue or an exchange could not be declared as the settings
+    /// describe it (it exists with other arguments or another type).
+    Topology,
+    /// The broker refused a publish: a nack, or no queue to route it to.
+    NotConfirmed,
+    /// The broker did not confirm a publish in time; whether it took the
+    /// message is unknown.
+    NoConfirm,
+    /// The broker blocked publishing (a memory or disk alarm).
+    Blocked,
+    /// A message the broker would never take, refused before it was sent.
+    Unpublishable,
+    /// An event could not be serialized to JSON.
+    Serialize,
+    /// Published in process, the message was not completed by the handlers.
+    Abandoned,
+    /// The runtime has stopped, or the system refused it something (a
+    /// signal handler).
+    Stopped,
+}
+
+/// What an [`Error`] holds.
+#[derive(Debug, thiserror::Error)]
+enum Repr {
     /// A setting has a value the runtime cannot use; `key` names it as written
     /// in `config/default.toml` (`section.key`).
     #[error("invalid setting `{key}`: {reason}")]
@@ -75,21 +122,21 @@ pub enum Error {
 
     /// The settings files or environment could not be read or layered.
     #[error("cannot load settings: {0}")]
-    Config(#[from] config::ConfigError),
+    Config(#[source] config::ConfigError),
 
     /// A PostgreSQL statement failed.
     #[error("database error: {}", describe(.0))]
-    Database(#[from] tokio_postgres::Error),
+    Database(#[source] tokio_postgres::Error),
 
     /// No connection could be taken from the pool. The text carries the
     /// cause (`database "x" does not exist`, a refused connection) and the
     /// server it was for.
     #[error("cannot connect to the database: {}", describe(.0))]
-    Pool(#[from] deadpool_postgres::PoolError),
+    Pool(#[source] deadpool_postgres::PoolError),
 
     /// A RabbitMQ operation failed.
     #[error("broker error: {}", describe(.0))]
-    Broker(#[from] lapin::Error),
+    Broker(#[source] lapin::Error),
 
     /// The broker did not confirm a publish (nack, or the message was unroutable).
     #[error("broker did not accept message {message_id} for `{routing_key}`: {reason}")]
@@ -190,10 +237,14 @@ pub enum Error {
         cause: String,
     },
 
-    /// The runtime was asked for something its state does not allow
-    /// (started twice, handlers that clash, a stopped actor).
-    #[error("{0}")]
-    Runtime(String),
+    /// Any other failure: its kind, and what happened.
+    #[error("{text}")]
+    Other {
+        /// Its kind.
+        kind: ErrorKind,
+        /// What happened.
+        text: String,
+    },
 
     /// A message was handed to the handlers and they did not complete it.
     /// Returned by in-process publishing, where the caller is the consumer.
@@ -282,6 +333,34 @@ pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 impl Error {
+    /// A failure of `kind`, saying `text`.
+    #[doc(hidden)] // For the runtime crate; a service has errors of its own.
+    pub fn new(kind: ErrorKind, text: impl Into<String>) -> Self {
+        Repr::Other {
+            kind,
+            text: text.into(),
+        }
+        .into()
+    }
+
+    /// What kind of failure it is.
+    pub fn kind(&self) -> ErrorKind {
+        match &*self.0 {
+            Repr::Setting { .. } | Repr::Config(_) => ErrorKind::Settings,
+            Repr::Database(_) | Repr::Pool(_) => ErrorKind::Database,
+            Repr::Broker(_) => ErrorKind::Broker,
+            Repr::NotConfirmed { .. } => ErrorKind::NotConfirmed,
+            Repr::Unpublishable { .. } => ErrorKind::Unpublishable,
+            Repr::Blocked { .. } => ErrorKind::Blocked,
+            Repr::NoConfirm { .. } => ErrorKind::NoConfirm,
+            Repr::Serialize { .. } => ErrorKind::Serialize,
+            Repr::Topology { .. } | Repr::Exchange { .. } => ErrorKind::Topology,
+            Repr::Unreachable { .. } => ErrorKind::Unreachable,
+            Repr::Abandoned { .. } => ErrorKind::Abandoned,
+            Repr::Other { kind, .. } => *kind,
+        }
+    }
+
     /// See [`is_unavailable`].
     pub fn is_unavailable(&self) -> bool {
         is_unavailable(self)
@@ -296,10 +375,10 @@ impl Error {
     /// error such as a missing exchange) does.
     pub fn is_broker_unavailable(&self) -> bool {
         use lapin::ErrorKind;
-        match self {
-            Error::Unreachable { service, .. } => *service == "broker",
-            Error::NoConfirm { .. } | Error::Blocked { .. } => true,
-            Error::Broker(error) => match error.kind() {
+        match &*self.0 {
+            Repr::Unreachable { service, .. } => *service == "broker",
+            Repr::NoConfirm { .. } | Repr::Blocked { .. } => true,
+            Repr::Broker(error) => match error.kind() {
                 ErrorKind::IOError(_)
                 | ErrorKind::RuntimeShutdownError(_)
                 | ErrorKind::InvalidConnectionState(_)
@@ -324,7 +403,7 @@ impl Error {
     /// them caused it: only one sent alone does.
     pub fn is_channel_closed_by_broker(&self) -> bool {
         use lapin::ErrorKind;
-        let Error::Broker(error) = self else {
+        let Repr::Broker(error) = &*self.0 else {
             return false;
         };
         match error.kind() {
@@ -340,11 +419,126 @@ impl Error {
     }
 
     pub(crate) fn setting(key: &str, reason: impl Into<String>) -> Self {
-        Error::Setting {
+        Repr::Setting {
             key: key.to_owned(),
             reason: reason.into(),
         }
+        .into()
     }
+
+    /// A message `message_id` the handlers did not complete, for `reason`.
+    #[doc(hidden)] // For the runtime crate.
+    pub fn abandoned(message_id: uuid::Uuid, reason: String) -> Self {
+        Repr::Abandoned { message_id, reason }.into()
+    }
+
+    pub(crate) fn not_confirmed(message_id: String, routing_key: String, reason: String) -> Self {
+        Repr::NotConfirmed {
+            message_id,
+            routing_key,
+            reason,
+        }
+        .into()
+    }
+
+    pub(crate) fn unpublishable(message_id: String, routing_key: String, reason: String) -> Self {
+        Repr::Unpublishable {
+            message_id,
+            routing_key,
+            reason,
+        }
+        .into()
+    }
+
+    pub(crate) fn blocked(message_id: String, routing_key: String) -> Self {
+        Repr::Blocked {
+            message_id,
+            routing_key,
+        }
+        .into()
+    }
+
+    pub(crate) fn no_confirm(message_id: String, routing_key: String, waited: std::time::Duration) -> Self {
+        Repr::NoConfirm {
+            message_id,
+            routing_key,
+            waited,
+        }
+        .into()
+    }
+
+    pub(crate) fn serialize(event_type: &'static str, source: serde_json::Error) -> Self {
+        Repr::Serialize { event_type, source }.into()
+    }
+
+    pub(crate) fn topology(queue: String, reason: String) -> Self {
+        Repr::Topology { queue, reason }.into()
+    }
+
+    pub(crate) fn exchange(exchange: String, reason: String) -> Self {
+        Repr::Exchange { exchange, reason }.into()
+    }
+
+    pub(crate) fn unreachable(
+        service: &'static str,
+        endpoint: String,
+        waited: std::time::Duration,
+        key: &'static str,
+        cause: String,
+    ) -> Self {
+        Repr::Unreachable {
+            service,
+            endpoint,
+            waited,
+            key,
+            cause,
+        }
+        .into()
+    }
+}
+
+impl From<Repr> for Error {
+    fn from(repr: Repr) -> Self {
+        Self(Box::new(repr))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+// For `?` inside this crate and the runtime crate. Not part of the API:
+// the clients are not, and a service never holds their errors as ours.
+macro_rules! from_client_error {
+    ($($client:ty => $variant:ident),* $(,)?) => {$(
+        #[doc(hidden)]
+        impl From<$client> for Error {
+            fn from(error: $client) -> Self {
+                Repr::$variant(error).into()
+            }
+        }
+    )*};
+}
+
+from_client_error! {
+    config::ConfigError => Config,
+    tokio_postgres::Error => Database,
+    deadpool_postgres::PoolError => Pool,
+    lapin::Error => Broker,
 }
 
 /// Whether a connection-level AMQP error answers what one message carried
@@ -376,12 +570,32 @@ mod tests {
         assert!(is_unavailable(&refused));
         assert!(!is_unavailable(&std::fmt::Error));
         assert!(
-            Error::Pool(deadpool_postgres::PoolError::Timeout(
+            Error::from(deadpool_postgres::PoolError::Timeout(
                 deadpool_postgres::TimeoutType::Create
             ))
             .is_unavailable()
         );
-        assert!(!Error::Pool(deadpool_postgres::PoolError::Closed).is_unavailable());
+        assert!(!Error::from(deadpool_postgres::PoolError::Closed).is_unavailable());
+    }
+
+    #[test]
+    fn an_error_says_its_kind_and_keeps_its_cause_as_its_source() {
+        let closed = Error::from(deadpool_postgres::PoolError::Closed);
+        assert_eq!(closed.kind(), ErrorKind::Database);
+        assert!(std::error::Error::source(&closed).is_some());
+        let setting = Error::setting("database.url", "not a URL");
+        assert_eq!(setting.kind(), ErrorKind::Settings);
+        assert_eq!(setting.to_string(), "invalid setting `database.url`: not a URL");
+        let usage = Error::new(ErrorKind::Usage, "no handler is registered");
+        assert_eq!(
+            (usage.kind(), usage.to_string().as_str()),
+            (ErrorKind::Usage, "no handler is registered")
+        );
+        assert!(std::error::Error::source(&usage).is_none());
+        assert_eq!(
+            Error::unpublishable("id".into(), "q".into(), "too big".into()).kind(),
+            ErrorKind::Unpublishable
+        );
     }
 
     #[test]

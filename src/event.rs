@@ -49,9 +49,6 @@ impl<E: IntegrationEvent> Message<E> {
 
     /// The event as the JSON body that goes on the wire.
     pub fn to_json(&self) -> crate::Result<Vec<u8>> {
-        serde_json::to_vec(&self.event).map_err(|source| crate::Error::Serialize {
-            event_type: E::TYPE,
-            source,
-        })
+        serde_json::to_vec(&self.event).map_err(|source| crate::Error::serialize(E::TYPE, source))
     }
 }

@@ -65,7 +65,7 @@ pub use backoff::Backoff;
 pub use context::{CAUSATION_ID, CORRELATION_ID, MessageContext};
 pub use db::{create_dispatching_pool, create_pool, wait_for_database};
 pub use envelope::{DecodeError, DeliveryLabel, Envelope};
-pub use error::{Error, HandlerError, Permanent, Result, describe, is_unavailable};
+pub use error::{Error, ErrorKind, HandlerError, Permanent, Result, describe, is_unavailable};
 pub use event::{IntegrationEvent, Message};
 pub use handler::{DynEventHandler, EventHandler};
 pub use migrations::{Migration, migrate, run_migrations};

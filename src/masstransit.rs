@@ -584,10 +584,7 @@ pub(crate) fn envelope_now(
         destination_address: None,
         sent_time: &sent_time,
     };
-    encode(&envelope).map_err(|source| crate::Error::Serialize {
-        event_type: message_type,
-        source,
-    })
+    encode(&envelope).map_err(|source| crate::Error::serialize(message_type, source))
 }
 
 /// The AMQP properties of an envelope with id `message_id`, as MassTransit

@@ -124,17 +124,23 @@ pub async fn migrate(
 fn check_order(migrations: &[Migration]) -> Result<()> {
     for pair in migrations.windows(2) {
         if pair[0].version >= pair[1].version {
-            return Err(Error::Runtime(format!(
-                "service migrations must be in rising version order: {} (`{}`) comes before {} (`{}`)",
-                pair[0].version, pair[0].name, pair[1].version, pair[1].name
-            )));
+            return Err(Error::new(
+                crate::ErrorKind::Usage,
+                format!(
+                    "service migrations must be in rising version order: {} (`{}`) comes before {} (`{}`)",
+                    pair[0].version, pair[0].name, pair[1].version, pair[1].name
+                ),
+            ));
         }
     }
     match migrations.first() {
-        Some(first) if first.version < 1 => Err(Error::Runtime(format!(
-            "service migration `{}` has version {}; versions start at 1",
-            first.name, first.version
-        ))),
+        Some(first) if first.version < 1 => Err(Error::new(
+            crate::ErrorKind::Usage,
+            format!(
+                "service migration `{}` has version {}; versions start at 1",
+                first.name, first.version
+            ),
+        )),
         _ => Ok(()),
     }
 }
@@ -166,11 +172,14 @@ async fn apply(
         match applied.get(&migration.version) {
             Some(name) if name == migration.name => continue,
             Some(name) => {
-                return Err(Error::Runtime(format!(
-                    "{whose} migration {} is named `{}`, but version {} was applied as `{name}` ({history}): \
+                return Err(Error::new(
+                    crate::ErrorKind::Usage,
+                    format!(
+                        "{whose} migration {} is named `{}`, but version {} was applied as `{name}` ({history}): \
                      a version must never be reused",
-                    migration.version, migration.name, migration.version
-                )));
+                        migration.version, migration.name, migration.version
+                    ),
+                ));
             }
             None => {}
         }

@@ -218,11 +218,11 @@ impl Sink for AmqpPublisher {
         // with every other publish in flight on them.
         // (Properties past a frame fail as `Unpublishable` in the publish.)
         if let Err(reason) = outgoing.check_names_and_body(self.max_message_size()) {
-            return Box::pin(std::future::ready(Err(crate::Error::Unpublishable {
-                message_id: outgoing.message_id.to_string(),
-                routing_key: crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),
+            return Box::pin(std::future::ready(Err(crate::Error::unpublishable(
+                outgoing.message_id.to_string(),
+                crate::fault::truncate(&outgoing.routing_key, 64).into_owned(),
                 reason,
-            })));
+            ))));
         }
         match self.wire() {
             Wire::Inbox => Box::pin(self.publish_to(
@@ -495,7 +495,7 @@ impl Round {
             let attempts = attempts.max(0).saturating_add(1);
             let tries = u32::try_from(attempts).unwrap_or(u32::MAX);
             // One the broker will never take is parked at once.
-            let dead = tries >= settings.max_attempts || matches!(error, crate::Error::Unpublishable { .. });
+            let dead = tries >= settings.max_attempts || error.kind() == crate::ErrorKind::Unpublishable;
             let pause = Backoff::nth(settings.retry_backoff, tries - 1, settings.max_retry_backoff);
             let reason =
                 crate::fault::truncate(&crate::describe(&error), crate::fault::MAX_REASON_BYTES).into_owned();

@@ -638,7 +638,7 @@ impl Settings {
     }
 
     /// Where the brokers are, for logs and errors: each one's
-    /// [`broker_endpoint`], comma-separated; never a password.
+    /// `host:port/vhost`, comma-separated; never a password.
     pub fn broker_endpoint(&self) -> String {
         let endpoints: Vec<String> = self.amqp_urls().into_iter().map(broker_endpoint).collect();
         endpoints.join(",")

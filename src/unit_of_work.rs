@@ -396,8 +396,9 @@ impl UnitOfWork {
                 }
                 Ok(())
             }
-            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::Runtime(
-                "a statement in the transaction failed and a handler went on; nothing was committed".into(),
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::new(
+                crate::ErrorKind::Usage,
+                "a statement in the transaction failed and a handler went on; nothing was committed",
             )),
             Err(e) => Err(e.into()),
         }
@@ -422,11 +423,14 @@ fn outgoing<E: IntegrationEvent>(
 ) -> Result<Outgoing> {
     let headers = follow_up_headers(cause);
     let Some(outbox) = outbox else {
-        return Err(Error::Runtime(format!(
-            "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
+        return Err(Error::new(
+            crate::ErrorKind::Usage,
+            format!(
+                "cannot publish message {}: this unit of work has no outbox (the in_process provider, or a unit \
              of work not from the runtime)",
-            message.id
-        )));
+                message.id
+            ),
+        ));
     };
     let json = message.to_json()?;
     let (exchange, body) = match outbox.wire {
@@ -447,11 +451,11 @@ fn outgoing<E: IntegrationEvent>(
         body,
     };
     if let Err(reason) = outgoing.check(outbox.max_message_size) {
-        return Err(Error::Unpublishable {
-            message_id: message.id.to_string(),
-            routing_key: crate::fault::truncate(routing_key, 64).into_owned(),
+        return Err(Error::unpublishable(
+            message.id.to_string(),
+            crate::fault::truncate(routing_key, 64).into_owned(),
             reason,
-        });
+        ));
     }
     Ok(outgoing)
 }

@@ -8,9 +8,10 @@
 //!
 //! A service touches the [`Runtime`]: built from [`inbox::Settings`] with
 //! [`Runtime::builder`], it registers a handler per event type,
-//! [`build`](RuntimeBuilder::build)s (database, migrations, topology),
-//! then [`run_until`](Runtime::run_until) a shutdown future, and drains
-//! within one timeout. It hands out a [`Publisher`] and the [`Stats`].
+//! [`start`](RuntimeBuilder::start)s (database, migrations, topology,
+//! consuming), then [`run_until`](Runtime::run_until) a shutdown future,
+//! and drains within one timeout. It hands out a [`Publisher`] and a
+//! [`Monitor`] (health and stats).
 //!
 //! The actors, one file each, with the messages they take:
 //! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends [`Deliver`]
@@ -27,15 +28,20 @@
 //!   panic fails the message, and the actor restarts (`Restart`), building
 //!   anew the handlers registered with
 //!   [`handler_factory`](RuntimeBuilder::handler_factory).
+//! - `OutboxActor` (`outbox.rs`): dispatches the rows units of work staged
+//!   in `outbox_messages`, woken by commits (in process and through
+//!   `LISTEN`) and by its poll; samples the backlog and sweeps dead rows.
+//!   Takes `StopDispatching` at shutdown.
 //! - [`RetentionActor`] (`retention.rs`): deletes inbox rows past
 //!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
 //!
 //! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
 //! queue's connection, and reconnecting it), `acks.rs` (the window of
 //! unsettled deliveries), `availability.rs` (the gate that waits out a
-//! database outage), `health.rs` (liveness and readiness), `metrics.rs`
-//! (what the runtime records through the `metrics` facade),
-//! `publisher.rs`, `stats.rs`, `runtime.rs`.
+//! database outage), `health.rs` (liveness and readiness), `monitor.rs`
+//! (the handle on health and stats), `metrics.rs` (what the runtime
+//! records through the `metrics` facade), `publisher.rs`, `stats.rs`,
+//! `runtime.rs`.
 
 mod acks;
 mod availability;

@@ -127,7 +127,7 @@ impl Actor for OutboxActor {
                 let drained = AssertUnwindSafe(drained).catch_unwind().await.map(|drained| {
                     drained.and_then(|()| match unsent {
                         0 => Ok(()),
-                        rows => Err(inbox::Error::Runtime(format!(
+                        rows => Err(inbox::Error::new(inbox::ErrorKind::Broker, format!(
                             "the broker is unavailable: {rows} outbox messages wait for it, no attempt spent"
                         ))),
                     })

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use actix::Recipient;
 use futures_util::future::BoxFuture;
-use inbox::{AmqpPublisher, Envelope, Error, IntegrationEvent, Message, Outcome, Outgoing, Result, Sink};
+use inbox::{
+    AmqpPublisher, Envelope, Error, ErrorKind, IntegrationEvent, Message, Outcome, Outgoing, Result, Sink,
+};
 
 use crate::dedup::Deliver;
 use crate::stats::{Counter, Stats};
@@ -93,7 +95,7 @@ impl Publisher {
         let outcome = dedup
             .send(deliver)
             .await
-            .map_err(|e| Error::Runtime(format!("the dedup actor is gone: {e}")))?;
+            .map_err(|e| Error::new(ErrorKind::Stopped, format!("the dedup actor is gone: {e}")))?;
         // The caller is the consumer here: what would be retried or moved
         // is an error for it to handle.
         let (counter, refused) = match outcome {
@@ -106,7 +108,7 @@ impl Publisher {
         stats.add(counter);
         match refused {
             None => Ok(()),
-            Some(reason) => Err(Error::Abandoned { message_id, reason }),
+            Some(reason) => Err(Error::abandoned(message_id, reason)),
         }
     }
 

@@ -11,7 +11,7 @@ use actix::prelude::*;
 use futures_util::future::join_all;
 use inbox::deadpool_postgres::Pool;
 use inbox::{
-    DynEventHandler, DynInboxStore, Error, EventHandler, InboxStore, IntegrationEvent, Migration,
+    DynEventHandler, DynInboxStore, Error, ErrorKind, EventHandler, InboxStore, IntegrationEvent, Migration,
     NoopInboxStore, Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
 };
 use tokio::sync::Notify;
@@ -73,17 +73,20 @@ impl RuntimeBuilder {
         match route.as_any().downcast_mut::<HandlerSet<E>>() {
             Some(set) => set.0.push(source),
             None => {
-                self.error.get_or_insert(Error::Runtime(format!(
-                    "two event types share the type name `{}`: {} and another",
-                    E::TYPE,
-                    std::any::type_name::<E>()
-                )));
+                self.error.get_or_insert(Error::new(
+                    ErrorKind::Usage,
+                    format!(
+                        "two event types share the type name `{}`: {} and another",
+                        E::TYPE,
+                        std::any::type_name::<E>()
+                    ),
+                ));
             }
         }
         self
     }
 
-    /// The service's own schema, applied by [`build`](Self::build) after
+    /// The service's own schema, applied by [`start`](Self::start) after
     /// the inbox's migrations, in the same transaction and under the same
     /// advisory lock: replicas that start together take turns instead of
     /// racing (concurrent `CREATE TABLE IF NOT EXISTS` fails in
@@ -136,11 +139,14 @@ impl RuntimeBuilder {
         {
             let queues: Vec<&str> = settings.queues.iter().map(|q| q.name.as_str()).collect();
             // Every message would go to Q.skipped, retries in progress included.
-            return Err(Error::Runtime(format!(
-                "no handler is registered, so consuming {} would move every message to its skipped queue: \
+            return Err(Error::new(
+                ErrorKind::Usage,
+                format!(
+                    "no handler is registered, so consuming {} would move every message to its skipped queue: \
                  register handlers with `.handler(..)` before `build` or `start`",
-                queues.join(", ")
-            )));
+                    queues.join(", ")
+                ),
+            ));
         }
 
         // With the outbox on, this process dispatches it and wakes its
@@ -590,7 +596,7 @@ pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
     {
         use tokio::signal::unix::{SignalKind, signal};
         let listen = |kind: SignalKind, name: &str| {
-            signal(kind).map_err(|e| Error::Runtime(format!("cannot listen for {name}: {e}")))
+            signal(kind).map_err(|e| Error::new(ErrorKind::Stopped, format!("cannot listen for {name}: {e}")))
         };
         let mut terminate = listen(SignalKind::terminate(), "SIGTERM")?;
         let mut interrupt = listen(SignalKind::interrupt(), "SIGINT")?;

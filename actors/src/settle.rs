@@ -556,7 +556,10 @@ impl Settler {
                     )
                     .await
             }
-            Err(e) => Err(inbox::Error::Runtime(format!("cannot encode the fault: {e}"))),
+            Err(e) => Err(inbox::Error::new(
+                inbox::ErrorKind::Serialize,
+                format!("cannot encode the fault: {e}"),
+            )),
         };
         if let Err(e) = published {
             tracing::warn!(error = %e, "could not publish the message's Fault<{message_type}>; it is in the error queue all the same");

@@ -10,6 +10,13 @@ use inbox::{
 };
 use serde::{Deserialize, Serialize};
 
+/// The examples' own failures, and the library's, as one boxed error: a
+/// service has errors of its own beside [`inbox::Error`].
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `Result` over [`BoxError`] (a handler's is `Result<(), HandlerError>`).
+pub(crate) type Result<T, E = BoxError> = std::result::Result<T, E>;
+
 /// The queue the check-in service consumes unless `--queue` says otherwise.
 pub(crate) const DEFAULT_QUEUE: &str = "checkin.attendee-checked-in";
 
@@ -230,9 +237,9 @@ pub(crate) const SCHEMA: &[inbox::Migration] = &[inbox::Migration::new(
 )];
 
 /// Applies [`SCHEMA`] (and the inbox's tables) where no runtime is built.
-pub(crate) async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> inbox::Result<()> {
+pub(crate) async fn create_tables(pool: &inbox::deadpool_postgres::Pool) -> Result<()> {
     let mut connection = pool.get().await?;
-    inbox::migrate(&mut connection, true, SCHEMA).await
+    Ok(inbox::migrate(&mut connection, true, SCHEMA).await?)
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.
@@ -258,14 +265,14 @@ impl XorShift {
 }
 
 /// Drops and creates database `name` on the server `settings` point at.
-pub(crate) async fn recreate_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+pub(crate) async fn recreate_database(settings: &Settings, name: &str) -> Result<()> {
     drop_database(settings, name).await?;
     create_database(settings, name).await
 }
 
 /// Creates database `name` on the server `settings` point at, unless it
 /// exists.
-pub(crate) async fn create_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+pub(crate) async fn create_database(settings: &Settings, name: &str) -> Result<()> {
     let client = admin(settings).await?;
     let exists = client
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
@@ -290,7 +297,7 @@ pub(crate) async fn create_database(settings: &Settings, name: &str) -> inbox::R
 }
 
 /// Drops database `name` on the server `settings` point at, if it exists.
-pub(crate) async fn drop_database(settings: &Settings, name: &str) -> inbox::Result<()> {
+pub(crate) async fn drop_database(settings: &Settings, name: &str) -> Result<()> {
     let client = admin(settings).await?;
     client
         .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
@@ -300,11 +307,11 @@ pub(crate) async fn drop_database(settings: &Settings, name: &str) -> inbox::Res
 
 /// A connection to the database `database.url` names, whatever
 /// `database.name` says.
-async fn admin(settings: &Settings) -> inbox::Result<inbox::deadpool_postgres::Object> {
+async fn admin(settings: &Settings) -> Result<inbox::deadpool_postgres::Object> {
     let mut admin = settings.clone();
     admin.database.name = None;
     let pool = inbox::create_pool(&admin)?;
-    inbox::wait_for_database(&pool, &admin).await
+    Ok(inbox::wait_for_database(&pool, &admin).await?)
 }
 
 /// The value after `--name` on the command line.
@@ -329,8 +336,8 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// `AMQP_URL` (else the database [`DEFAULT_DATABASE`] on the configured
 /// server), then `--queue`: the queue to consume (default
 /// [`DEFAULT_QUEUE`] when the settings list none).
-pub(crate) fn settings() -> inbox::Result<ValidSettings> {
-    Settings::load()?.with(|settings| {
+pub(crate) fn settings() -> Result<ValidSettings> {
+    let settings = Settings::load()?.with(|settings| {
         if settings.database.name.is_none() && std::env::var_os("DATABASE_URL").is_none() {
             settings.database.name = Some(DEFAULT_DATABASE.into());
         }
@@ -349,14 +356,15 @@ pub(crate) fn settings() -> inbox::Result<ValidSettings> {
         } else if settings.queues.is_empty() {
             settings.queues = vec![QueueSettings::new(DEFAULT_QUEUE)];
         }
-    })
+    })?;
+    Ok(settings)
 }
 
 /// Installs the Prometheus recorder as the `metrics` facade's, with every
 /// `*_seconds` metric rendered as a histogram, and keeps it tidy (the
 /// exporter wants its upkeep run now and then). Install it before building
 /// the runtime: the runtime registers its metrics as it builds.
-pub(crate) fn install_prometheus() -> inbox::Result<metrics_exporter_prometheus::PrometheusHandle> {
+pub(crate) fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     const SECONDS: &[f64] = &[
         0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -364,7 +372,7 @@ pub(crate) fn install_prometheus() -> inbox::Result<metrics_exporter_prometheus:
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)
         .and_then(PrometheusBuilder::install_recorder)
-        .map_err(|e| inbox::Error::Runtime(format!("cannot install the Prometheus recorder: {e}")))?;
+        .map_err(|e| BoxError::from(format!("cannot install the Prometheus recorder: {e}")))?;
     let upkeep = handle.clone();
     actix_rt::spawn(async move {
         let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
