@@ -66,7 +66,7 @@ impl MessageContext {
             }
             .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned())
         };
-        let bounded = |value: &Option<String>| {
+        let cut = |value: &Option<String>| {
             value
                 .as_deref()
                 .map(|t| truncate(t, MAX_VALUE_BYTES).into_owned())
@@ -76,10 +76,10 @@ impl MessageContext {
             message_id: envelope.message_id,
             event_type: envelope.event_type.clone(),
             redelivered: envelope.redelivered,
-            correlation_id: bounded(&masstransit.correlation_id).or_else(|| text(CORRELATION_ID)),
-            conversation_id: bounded(&masstransit.conversation_id),
-            initiator_id: bounded(&masstransit.initiator_id),
-            source_address: bounded(&masstransit.source_address),
+            correlation_id: cut(&masstransit.correlation_id).or_else(|| text(CORRELATION_ID)),
+            conversation_id: cut(&masstransit.conversation_id),
+            initiator_id: cut(&masstransit.initiator_id),
+            source_address: cut(&masstransit.source_address),
             causation_id: text(CAUSATION_ID),
             attempt: envelope.attempt,
             trace: envelope.trace.clone(),

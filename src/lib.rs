@@ -73,7 +73,7 @@ pub use outbox::{DispatchReport, Outgoing, Sink, dispatch, drain};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};
 pub use settings::{
-    DatabaseSettings, Destination, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
+    DatabaseSettings, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
     QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings, Wire,
 };
 pub use store::{Claim, DynInboxStore, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};

@@ -564,19 +564,23 @@ pub async fn backlog(pool: &Pool) -> Result<Backlog> {
         .await?
         .query_one(
             "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox_messages WHERE dead_at IS NULL LIMIT $1) AS p),
-                    (SELECT EXTRACT(EPOCH FROM now() - created_at)::float8 FROM outbox_messages
-                     WHERE dead_at IS NULL ORDER BY seq LIMIT 1),
+                    (SELECT (EXTRACT(EPOCH FROM now()) - EXTRACT(EPOCH FROM created_at))::float8
+                     FROM outbox_messages WHERE dead_at IS NULL ORDER BY seq LIMIT 1),
                     (SELECT count(*) FROM (SELECT 1 FROM outbox_messages WHERE dead_at IS NOT NULL LIMIT $1) AS d)",
             &[&BACKLOG_COUNT_LIMIT],
         )
         .await?;
-    let count = |column: usize| u64::try_from(row.get::<_, i64>(column)).unwrap_or(0);
+    // `try_get`, as everywhere a row is read: a column of an unexpected
+    // type is an error, never a panic in the dispatcher's sampler.
+    let count =
+        |column: usize| -> Result<u64> { Ok(u64::try_from(row.try_get::<_, i64>(column)?).unwrap_or(0)) };
+    let oldest: Option<f64> = row.try_get(1)?;
     Ok(Backlog {
-        pending: count(0),
-        oldest_pending: row
-            .get::<_, Option<f64>>(1)
-            .map(|seconds| Duration::from_secs_f64(seconds.max(0.0))),
-        dead: count(2),
+        pending: count(0)?,
+        // A row staged by hand may carry any `created_at`, even infinity.
+        oldest_pending: oldest
+            .map(|seconds| Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)),
+        dead: count(2)?,
     })
 }
 

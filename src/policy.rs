@@ -12,7 +12,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::fault::FailureHistory;
-use crate::settings::{Destination, FailureSettings};
+use crate::settings::FailureSettings;
 
 /// How many times in a row a message may be held for an outage while the
 /// database answers at once, before the failure counts as an attempt: a
@@ -28,12 +28,14 @@ pub enum Stage {
     /// Reading the delivery's properties: no `message_id`, one that is not a
     /// UUID, no `type`, a `content_type` that is not JSON.
     Decode,
-    /// The body is larger than `failure.max_body_size`.
-    Size,
+    /// The body is larger than `failure.max_body_size` (checked by the
+    /// consumer, which its header value names).
+    BodySize,
     /// The body does not deserialize into the event.
     Deserialize,
-    /// No handler is registered for the message's type.
-    Dispatch,
+    /// No handler is registered for the message's type: nothing to
+    /// dispatch it to.
+    NoHandler,
     /// Taking a connection from the pool.
     Database,
     /// `BEGIN`.
@@ -73,9 +75,9 @@ impl Stage {
     /// and tests.
     pub const RUNTIME: [Stage; 19] = [
         Stage::Decode,
-        Stage::Size,
+        Stage::BodySize,
         Stage::Deserialize,
-        Stage::Dispatch,
+        Stage::NoHandler,
         Stage::Database,
         Stage::Begin,
         Stage::InboxClaim,
@@ -98,10 +100,10 @@ impl fmt::Display for Stage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Stage::Decode => "decode",
-            // The consumer checks the size before decoding.
-            Stage::Size => "consumer",
+            // Header values are read by operators' tools: kept as written.
+            Stage::BodySize => "consumer",
             Stage::Deserialize => "deserialize",
-            Stage::Dispatch => "dispatch",
+            Stage::NoHandler => "dispatch",
             Stage::Database => "database",
             Stage::Begin => "begin",
             Stage::InboxClaim => "inbox claim",
@@ -265,7 +267,7 @@ pub fn decide(outcome: Outcome, history: &FailureHistory, failure: &FailureSetti
             return Action::Move {
                 to: Target::Skipped,
                 failure: Failure {
-                    stage: Stage::Dispatch,
+                    stage: Stage::NoHandler,
                     reason: format!("no handler registered for type `{event_type}`"),
                     history: history.clone(),
                 },
@@ -292,13 +294,10 @@ pub fn decide(outcome: Outcome, history: &FailureHistory, failure: &FailureSetti
             },
         };
     }
-    let to = match failure.destination(history.redeliveries) {
-        Destination::RetryTier(tier) => {
-            history.record_redelivery();
-            Target::RetryTier(tier)
-        }
-        Destination::Error => Target::Exhausted,
-    };
+    let to = failure.destination(history.redeliveries);
+    if let Target::RetryTier(_) = to {
+        history.record_redelivery();
+    }
     Action::Move {
         to,
         failure: Failure {

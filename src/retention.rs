@@ -110,15 +110,17 @@ pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepRe
         .query_one(
             "SELECT CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
                          ELSE (SELECT count(*) FROM inbox_messages) END,
-                    (SELECT EXTRACT(EPOCH FROM now() - min(processed_at))::float8 FROM inbox_messages)
+                    (SELECT (EXTRACT(EPOCH FROM now()) - EXTRACT(EPOCH FROM min(processed_at)))::float8
+                     FROM inbox_messages)
              FROM pg_class c WHERE c.oid = 'inbox_messages'::regclass",
             &[],
         )
         .await?;
-    report.inbox_rows = u64::try_from(row.get::<_, i64>(0)).unwrap_or(0);
+    report.inbox_rows = u64::try_from(row.try_get::<_, i64>(0)?).unwrap_or(0);
+    // A row written by hand may carry any `processed_at`, even infinity.
     report.oldest_inbox_row = row
-        .get::<_, Option<f64>>(1)
-        .map(|seconds| Duration::from_secs_f64(seconds.max(0.0)));
+        .try_get::<_, Option<f64>>(1)?
+        .map(|seconds| Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX));
     lock.release().await?;
     report.duration = started.elapsed();
     Ok(report)

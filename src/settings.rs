@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::policy::Target;
 
 /// Every setting of the runtime. Build it with [`Settings::load`] (files and
 /// environment) or in code from [`Settings::default`]; the runtime validates
@@ -381,29 +382,21 @@ impl Default for FailureSettings {
     }
 }
 
-/// Where a message goes once its immediate retries are spent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Destination {
-    /// The retry tier with this number (from 1): `Q.retry.<n>`.
-    RetryTier(usize),
-    /// `Q.error`: every tier has been tried.
-    Error,
-}
-
 impl FailureSettings {
     /// The pause before immediate retry number `retry` (from 0).
     pub fn backoff(&self, retry: u32) -> Duration {
         crate::Backoff::nth(self.immediate_backoff, retry.min(16), Duration::MAX)
     }
 
-    /// Where a message goes after failing, given how many delayed
-    /// redeliveries it has had.
-    pub fn destination(&self, redeliveries: u32) -> Destination {
+    /// Where a message goes once its immediate retries are spent, given
+    /// how many delayed redeliveries it has had: the next retry tier, or
+    /// `Q.error` when every tier has been tried.
+    pub fn destination(&self, redeliveries: u32) -> Target {
         let next = usize::try_from(redeliveries).map_or(usize::MAX, |r| r.saturating_add(1));
         if next <= self.delays.len() {
-            Destination::RetryTier(next)
+            Target::RetryTier(next)
         } else {
-            Destination::Error
+            Target::Exhausted
         }
     }
 
@@ -498,12 +491,12 @@ impl Default for OutboxSettings {
 
 impl OutboxSettings {
     fn validate(&self) -> Result<()> {
-        bounded(self.poll_interval, "outbox.poll_interval")?;
+        check_timer(self.poll_interval, "outbox.poll_interval")?;
         if !(1..=10_000).contains(&self.batch_size) {
             return Err(Error::setting("outbox.batch_size", "must be from 1 to 10000"));
         }
-        bounded(self.retry_backoff, "outbox.retry_backoff")?;
-        bounded(self.max_retry_backoff, "outbox.max_retry_backoff")?;
+        check_timer(self.retry_backoff, "outbox.retry_backoff")?;
+        check_timer(self.max_retry_backoff, "outbox.max_retry_backoff")?;
         if !(1..=1000).contains(&self.max_attempts) {
             return Err(Error::setting("outbox.max_attempts", "must be from 1 to 1000"));
         }
@@ -727,7 +720,7 @@ impl Settings {
         self.failure.validate()?;
         self.retention.validate()?;
         self.outbox.validate()?;
-        bounded(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
+        check_timer(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         // Across sections: a late redelivery must still find its row.
         let path = self.failure.longest_redelivery_path();
         if self.retention.period() <= path {
@@ -783,8 +776,8 @@ impl MessageBusSettings {
                 "must be from 1 to 536870912 bytes (RabbitMQ's largest)",
             ));
         }
-        bounded(self.connect_timeout, "message_bus.connect_timeout")?;
-        bounded(self.confirm_timeout, "message_bus.confirm_timeout")
+        check_timer(self.connect_timeout, "message_bus.connect_timeout")?;
+        check_timer(self.confirm_timeout, "message_bus.confirm_timeout")
     }
 }
 
@@ -814,7 +807,7 @@ impl DatabaseSettings {
                 "must be at most 2147483647ms (24 days), the most PostgreSQL accepts",
             ));
         }
-        bounded(self.connect_timeout, "database.connect_timeout")?;
+        check_timer(self.connect_timeout, "database.connect_timeout")?;
         if self.transaction_timeout.is_zero() || self.transaction_timeout > MAX_PG_TIMEOUT {
             return Err(Error::setting(
                 "database.transaction_timeout",
@@ -908,7 +901,7 @@ impl RetentionSettings {
                 format!("must be from 1 to {MAX_RETENTION_DAYS}"),
             ));
         }
-        bounded(self.interval, "retention.interval")?;
+        check_timer(self.interval, "retention.interval")?;
         if self.batch_size == 0 {
             return Err(Error::setting("retention.batch_size", "must be at least 1"));
         }
@@ -975,7 +968,7 @@ const MAX_TIMER: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// Checks a timer setting: more than 0 (it would spin or never wait) and at
 /// most a year (a typo, and past what timers are meant for).
-fn bounded(value: Duration, key: &str) -> Result<()> {
+fn check_timer(value: Duration, key: &str) -> Result<()> {
     if value.is_zero() || value > MAX_TIMER {
         return Err(Error::setting(key, "must be more than 0 and at most a year"));
     }
@@ -1214,9 +1207,9 @@ mod tests {
     #[test]
     fn the_failure_path_walks_the_tiers_then_the_error_queue() {
         let failure = FailureSettings::default();
-        assert_eq!(failure.destination(0), Destination::RetryTier(1));
-        assert_eq!(failure.destination(2), Destination::RetryTier(3));
-        assert_eq!(failure.destination(3), Destination::Error);
+        assert_eq!(failure.destination(0), Target::RetryTier(1));
+        assert_eq!(failure.destination(2), Target::RetryTier(3));
+        assert_eq!(failure.destination(3), Target::Exhausted);
         assert_eq!(
             (0..3).map(|r| failure.backoff(r)).collect::<Vec<_>>(),
             [100, 200, 400].map(Duration::from_millis)

@@ -50,14 +50,14 @@ pub struct UnitOfWork {
     /// Set once `COMMIT` or `ROLLBACK` succeeded: only then may the
     /// connection go back to the pool.
     finished: bool,
-    /// Messages whose inbox record is written (staged) in this
-    /// transaction; see [`InboxStore::complete`](crate::InboxStore::complete).
-    staged: Vec<Uuid>,
+    /// Messages whose inbox record is written in this transaction; see
+    /// [`InboxStore::complete`](crate::InboxStore::complete).
+    recorded: Vec<Uuid>,
     /// How many savepoints were made; the open one is `s<count>`.
     savepoints: u32,
-    /// The staged records as they were at the open savepoint (batches keep
-    /// one open at a time).
-    staged_at_savepoint: Vec<Uuid>,
+    /// `recorded` as it was at the open savepoint (batches keep one open
+    /// at a time).
+    recorded_at_savepoint: Vec<Uuid>,
     /// How many [`nested`](Self::nested) scopes handlers opened, for their
     /// savepoints' names.
     nested_scopes: u32,
@@ -71,9 +71,9 @@ pub struct UnitOfWork {
     /// order: written to `outbox_messages` with the `COMMIT` (the outbox
     /// on), or handed over after it (off). A rolled-back savepoint or
     /// nested scope truncates them to what they were when it opened.
-    held: Vec<Outgoing>,
-    /// How many were held at the open savepoint.
-    held_at_savepoint: usize,
+    outgoing: Vec<Outgoing>,
+    /// How many there were at the open savepoint.
+    outgoing_at_savepoint: usize,
 }
 
 /// Opens a unit of work's transaction (see [`UnitOfWork::begin`]).
@@ -121,14 +121,14 @@ impl UnitOfWork {
         let uow = Self {
             connection: Some(connection),
             finished: false,
-            staged: Vec::new(),
+            recorded: Vec::new(),
             savepoints: 0,
-            staged_at_savepoint: Vec::new(),
+            recorded_at_savepoint: Vec::new(),
             nested_scopes: 0,
             outbox: None,
             contexts: Vec::new(),
-            held: Vec::new(),
-            held_at_savepoint: 0,
+            outgoing: Vec::new(),
+            outgoing_at_savepoint: 0,
         };
         if let Some(Err(e)) = uow.client().batch_execute(BEGIN).now_or_never() {
             return Err(e.into());
@@ -146,24 +146,25 @@ impl UnitOfWork {
             .expect("a live unit of work holds its connection")
     }
 
-    /// Records that the inbox record of `message_id` is written in this
+    /// Notes that the inbox record of `message_id` is written in this
     /// transaction (for [`InboxStore`](crate::InboxStore) implementations).
-    pub fn stage(&mut self, message_id: Uuid) {
-        if !self.is_staged(message_id) {
-            self.staged.push(message_id);
+    pub fn note_recorded(&mut self, message_id: Uuid) {
+        if !self.is_recorded(message_id) {
+            self.recorded.push(message_id);
         }
     }
 
     /// Whether the inbox record of `message_id` is written in this transaction.
-    pub fn is_staged(&self, message_id: Uuid) -> bool {
-        self.staged.contains(&message_id)
+    pub fn is_recorded(&self, message_id: Uuid) -> bool {
+        self.recorded.contains(&message_id)
     }
 
-    /// Forgets the staged record of `message_id`; returns whether it was staged.
-    pub fn unstage(&mut self, message_id: Uuid) -> bool {
-        let before = self.staged.len();
-        self.staged.retain(|id| *id != message_id);
-        self.staged.len() != before
+    /// Forgets that the inbox record of `message_id` is written; returns
+    /// whether it was.
+    pub fn forget_recorded(&mut self, message_id: Uuid) -> bool {
+        let before = self.recorded.len();
+        self.recorded.retain(|id| *id != message_id);
+        self.recorded.len() != before
     }
 
     /// Marks a point in a batch (before the whole batch, or before one
@@ -197,8 +198,8 @@ impl UnitOfWork {
             return Err(e.into());
         }
         self.savepoints += 1;
-        self.staged_at_savepoint.clone_from(&self.staged);
-        self.held_at_savepoint = self.held.len();
+        self.recorded_at_savepoint.clone_from(&self.recorded);
+        self.outgoing_at_savepoint = self.outgoing.len();
         Ok(self)
     }
 
@@ -211,8 +212,8 @@ impl UnitOfWork {
         let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.savepoints);
         // Fails when no savepoint was made, before anything is restored.
         self.client().batch_execute(&sql).await?;
-        self.staged.clone_from(&self.staged_at_savepoint);
-        self.held.truncate(self.held_at_savepoint);
+        self.recorded.clone_from(&self.recorded_at_savepoint);
+        self.outgoing.truncate(self.outgoing_at_savepoint);
         Ok(self)
     }
 
@@ -277,7 +278,7 @@ impl UnitOfWork {
         message: &Message<E>,
     ) -> Result<()> {
         let outgoing = outgoing(self.outbox.as_ref(), self.context(), routing_key, message)?;
-        self.held.push(outgoing);
+        self.outgoing.push(outgoing);
         Ok(())
     }
 
@@ -290,7 +291,7 @@ impl UnitOfWork {
         message: &Message<E>,
     ) -> Result<()> {
         let outgoing = outgoing(self.outbox.as_ref(), Some(cause), routing_key, message)?;
-        self.held.push(outgoing);
+        self.outgoing.push(outgoing);
         Ok(())
     }
 
@@ -318,11 +319,11 @@ impl UnitOfWork {
         self.nested_scopes += 1;
         let name = format!("n{}", self.nested_scopes);
         self.client().batch_execute(&format!("SAVEPOINT {name}")).await?;
-        let held = self.held.len();
+        let outgoing_at_open = self.outgoing.len();
         Ok(Nested {
             uow: self,
             name,
-            held,
+            outgoing_at_open,
             open: true,
         })
     }
@@ -337,7 +338,7 @@ impl UnitOfWork {
     /// probe fails and nothing commits.
     pub async fn commit(mut self) -> Result<()> {
         let chunks = match &self.outbox {
-            Some(outbox) if outbox.after_commit.is_none() => OutboxRows::chunks(&self.held),
+            Some(outbox) if outbox.after_commit.is_none() => OutboxRows::chunks(&self.outgoing),
             _ => Vec::new(),
         };
         let wrote_rows = !chunks.is_empty();
@@ -386,7 +387,7 @@ impl UnitOfWork {
                     match &outbox.after_commit {
                         // Handed over only now: never before the commit.
                         Some(after_commit) => {
-                            for outgoing in self.held.drain(..) {
+                            for outgoing in self.outgoing.drain(..) {
                                 let _ = after_commit.send(outgoing);
                             }
                         }
@@ -492,8 +493,8 @@ impl Drop for UnitOfWork {
 pub struct Nested<'a> {
     uow: &'a mut UnitOfWork,
     name: String,
-    /// Messages staged when the scope opened.
-    held: usize,
+    /// How many messages were staged when the scope opened.
+    outgoing_at_open: usize,
     /// Neither released nor rolled back yet.
     open: bool,
 }
@@ -511,8 +512,7 @@ impl Nested<'_> {
     /// message's transaction goes on.
     pub async fn rollback(mut self) -> Result<()> {
         self.open = false;
-        let held = self.held;
-        self.uow.held.truncate(held);
+        self.uow.outgoing.truncate(self.outgoing_at_open);
         let sql = format!("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}", self.name);
         self.uow.client().batch_execute(&sql).await?;
         Ok(())
@@ -536,8 +536,7 @@ impl DerefMut for Nested<'_> {
 impl Drop for Nested<'_> {
     fn drop(&mut self) {
         if self.open {
-            let held = self.held;
-            self.uow.held.truncate(held);
+            self.uow.outgoing.truncate(self.outgoing_at_open);
             // Cannot await here: handed to the connection now, it runs
             // before the next statement (see `UnitOfWork::savepoint`). A
             // failure shows there, as an aborted transaction.

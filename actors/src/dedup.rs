@@ -75,7 +75,7 @@ pub(crate) type Routes = HashMap<String, Route>;
 pub struct DedupActor {
     pool: Pool,
     /// Given to every unit of work, so that handlers can stage messages.
-    outbox: Option<Outbox>,
+    outbox: Outbox,
     /// `database.transaction_timeout`: the longest a message's (or a
     /// batch's) unit of work may take.
     transaction_timeout: Duration,
@@ -103,7 +103,7 @@ impl DedupActor {
         routes: Routes,
         stats: Arc<Stats>,
         transaction_timeout: Duration,
-        outbox: Option<Outbox>,
+        outbox: Outbox,
         queues: &[inbox::QueueSettings],
     ) -> Self {
         Self {
@@ -174,7 +174,7 @@ impl actix::Handler<Deliver> for DedupActor {
         let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                bounded(timeout, work.process(msg))
+                within_timeout(timeout, work.process(msg))
                     .await
                     .unwrap_or_else(Outcome::Abandoned)
             }
@@ -198,7 +198,7 @@ impl actix::Handler<DeliverBatch> for DedupActor {
         let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                let outcomes = match bounded(timeout, work.process_batch(msg, &lane)).await {
+                let outcomes = match within_timeout(timeout, work.process_batch(msg, &lane)).await {
                     Ok(outcomes) => outcomes,
                     Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
                 };
@@ -215,7 +215,7 @@ impl actix::Handler<DeliverBatch> for DedupActor {
 /// closes its connection, and the message is held as in an outage, since a
 /// network that drops packets looks just like this. (If the database
 /// answers at once after all, the holds count as attempts: see `settle`.)
-async fn bounded<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<T, Abandoned> {
+async fn within_timeout<T>(timeout: Duration, work: impl Future<Output = T>) -> Result<T, Abandoned> {
     match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
         Ok(Ok(done)) => Ok(done),
         Ok(Err(_)) => Err(Abandoned::new(Stage::Runtime, "panicked")),
@@ -234,7 +234,7 @@ pub(crate) struct Work {
     /// The claim's duration: the wait on a concurrent copy's row lock.
     pub(crate) claim_wait: Histogram,
     pub(crate) pool: Pool,
-    pub(crate) outbox: Option<Outbox>,
+    pub(crate) outbox: Outbox,
     pub(crate) store: Arc<dyn DynInboxStore>,
     pub(crate) routes: Arc<Routes>,
     pub(crate) stats: Arc<Stats>,
@@ -250,10 +250,7 @@ impl Work {
         let uow = UnitOfWork::begin(connection)
             .await
             .map_err(|e| Abandoned::database(Stage::Begin, &e))?;
-        Ok(match &self.outbox {
-            Some(outbox) => uow.with_outbox(outbox.clone()),
-            None => uow,
-        })
+        Ok(uow.with_outbox(self.outbox.clone()))
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {

@@ -260,7 +260,7 @@ async fn unless_abandoned(
 /// `body` decoded into `E`, or why it is not one (bounded: serde quotes the
 /// offending text).
 pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
-    serde_json::from_slice(body).map_err(|e| bounded(format!("body is not a valid `{}`: {e}", E::TYPE)))
+    serde_json::from_slice(body).map_err(|e| cut_to_reason(format!("body is not a valid `{}`: {e}", E::TYPE)))
 }
 
 /// Whether a body decodes into an event type, checked before a message's
@@ -342,7 +342,7 @@ async fn run_handlers<E: IntegrationEvent>(
         match AssertUnwindSafe(handled).catch_unwind().await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                let text = bounded(inbox::describe(error.as_ref()));
+                let text = cut_to_reason(inbox::describe(error.as_ref()));
                 let failure = if Permanent::is_in(error.as_ref()) {
                     HandlerFailure::Permanent {
                         handler: name,
@@ -366,7 +366,7 @@ async fn run_handlers<E: IntegrationEvent>(
                 myself.do_send(Restart);
                 let failure = HandlerFailure::Panicked {
                     handler: name,
-                    message: bounded(panic_message(panic.as_ref())),
+                    message: cut_to_reason(panic_message(panic.as_ref())),
                 };
                 return Handled::Failed { uow: None, failure };
             }
@@ -398,7 +398,7 @@ impl Drop for HandlerTimer {
 
 /// An error's text cut to what a log line and a header can carry: it may
 /// quote the whole message (serde quotes the offending string).
-fn bounded(text: String) -> String {
+fn cut_to_reason(text: String) -> String {
     match inbox::fault::truncate(&text, inbox::fault::MAX_REASON_BYTES) {
         std::borrow::Cow::Borrowed(_) => text,
         cut => cut.into_owned(),

@@ -213,13 +213,13 @@ impl RuntimeBuilder {
                 (Some(sender), Some(receiver))
             }
         };
-        let outbox = Some(Outbox {
+        let outbox = Outbox {
             exchange: settings.message_bus.exchange.as_str().into(),
             max_message_size: settings.message_bus.max_message_size,
             wire: settings.message_bus.wire,
             wake: Arc::new(Notify::new()),
             after_commit,
-        });
+        };
         for (event_type, route) in &routes {
             let handler = route.one.downgrade();
             health.watch_actor(format!("handler actor of {event_type}"), move || {
@@ -333,8 +333,8 @@ pub struct Runtime {
     settings: ValidSettings,
     /// The event types handlers are registered for.
     handled: HandledTypes,
-    /// Where units of work stage messages (over a broker).
-    outbox: Option<Outbox>,
+    /// Where units of work stage the messages they publish.
+    outbox: Outbox,
     /// Publishes what they staged, once committed.
     dispatcher: Option<Addr<OutboxActor>>,
     pool: Pool,
@@ -406,15 +406,17 @@ impl Runtime {
 
     /// Starts the outbox's dispatcher, sending to `sink`.
     fn start_dispatcher(&mut self, sink: Publisher) {
-        if let Some(outbox) = &self.outbox {
-            let (pool, settings, outbox) = (self.pool.clone(), self.settings.outbox.clone(), outbox.clone());
-            let stats = Arc::clone(&self.stats);
-            let listen_to = self.settings.pg_config().ok();
-            let dispatcher =
-                Supervisor::start(move |_| OutboxActor::new(pool, sink, settings, outbox, stats, listen_to));
-            self.health.watch_actor("outbox dispatcher", running(&dispatcher));
-            self.dispatcher = Some(dispatcher);
-        }
+        let (pool, settings, outbox) = (
+            self.pool.clone(),
+            self.settings.outbox.clone(),
+            self.outbox.clone(),
+        );
+        let stats = Arc::clone(&self.stats);
+        let listen_to = self.settings.pg_config().ok();
+        let dispatcher =
+            Supervisor::start(move |_| OutboxActor::new(pool, sink, settings, outbox, stats, listen_to));
+        self.health.watch_actor("outbox dispatcher", running(&dispatcher));
+        self.dispatcher = Some(dispatcher);
     }
 
     /// Starts consuming every configured queue (`rabbitmq`; nothing to do
@@ -485,10 +487,7 @@ impl Runtime {
     /// once it commits, never before.
     pub async fn unit_of_work(&self) -> Result<UnitOfWork> {
         let uow = UnitOfWork::begin(self.pool.get().await?).await?;
-        Ok(match &self.outbox {
-            Some(outbox) => uow.with_outbox(outbox.clone()),
-            None => uow,
-        })
+        Ok(uow.with_outbox(self.outbox.clone()))
     }
 
     /// The inbox's pool, for a service's own setup queries. Messages in

@@ -183,7 +183,7 @@ impl Settler {
                 delivery,
                 ticket,
                 rejected: Outcome::Rejected {
-                    stage: Stage::Size,
+                    stage: Stage::BodySize,
                     reason,
                 },
                 history,

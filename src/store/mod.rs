@@ -68,7 +68,7 @@ pub trait InboxStore: Send + Sync + 'static {
                 return Ok(Claim::Duplicate);
             }
             self.mark_processed(uow, key).await?;
-            uow.stage(key.message_id);
+            uow.note_recorded(key.message_id);
             Ok(Claim::Proceed)
         }
     }
@@ -102,9 +102,9 @@ pub trait InboxStore: Send + Sync + 'static {
     /// write-after-handlers fallback for callers that skipped it).
     fn complete(&self, uow: &mut UnitOfWork, key: &InboxKey) -> impl Future<Output = Result<()>> + Send {
         async move {
-            if !uow.is_staged(key.message_id) {
+            if !uow.is_recorded(key.message_id) {
                 self.mark_processed(uow, key).await?;
-                uow.stage(key.message_id);
+                uow.note_recorded(key.message_id);
             }
             Ok(())
         }
@@ -115,7 +115,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// batch's commit would record a message whose effects were undone. (A
     /// message alone in its transaction is simply rolled back whole.)
     fn abandon(&self, uow: &mut UnitOfWork, key: &InboxKey) -> impl Future<Output = Result<()>> + Send {
-        uow.unstage(key.message_id);
+        uow.forget_recorded(key.message_id);
         std::future::ready(Ok(()))
     }
 }

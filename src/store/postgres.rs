@@ -41,7 +41,7 @@ impl InboxStore for PgInboxStore {
 
     async fn try_begin(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<Claim> {
         if claim(uow, key).await? {
-            uow.stage(key.message_id);
+            uow.note_recorded(key.message_id);
             Ok(Claim::Proceed)
         } else {
             Ok(Claim::Duplicate)
@@ -68,7 +68,7 @@ impl InboxStore for PgInboxStore {
         let mut claims = Vec::with_capacity(keys.len());
         for key in keys {
             if claimed.contains(&(key.consumer.clone(), key.message_id)) {
-                uow.stage(key.message_id);
+                uow.note_recorded(key.message_id);
                 claims.push(Claim::Proceed);
             } else {
                 claims.push(Claim::Duplicate);
@@ -80,7 +80,7 @@ impl InboxStore for PgInboxStore {
     /// Deletes the row staged for `key`: in a batch it was written before
     /// the message's savepoint, so rolling back to that savepoint kept it.
     async fn abandon(&self, uow: &mut UnitOfWork, key: &InboxKey) -> Result<()> {
-        if uow.unstage(key.message_id) {
+        if uow.forget_recorded(key.message_id) {
             let client = uow.client();
             let statement = client
                 .prepare_cached("DELETE FROM inbox_messages WHERE consumer = $1 AND message_id = $2")

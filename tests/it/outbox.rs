@@ -868,5 +868,19 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
         oldest > std::time::Duration::from_secs(290) && oldest < std::time::Duration::from_secs(300),
         "{oldest:?}"
     );
+    // A row staged by hand with a timestamp at infinity: sampled, where
+    // the sample failed on every poll (PostgreSQL 15 cannot subtract it)
+    // or panicked (17 can, and the infinite age overflowed a Duration).
+    env.db()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body, created_at, seq)
+             VALUES (gen_random_uuid(), '', 'q', 'Counted', '\\x7b7d', '-infinity', -1)",
+        )
+        .await
+        .unwrap();
+    let backlog = inbox::outbox::backlog(&pool).await.unwrap();
+    assert_eq!(backlog.pending, 4);
+    assert_eq!(backlog.oldest_pending, Some(std::time::Duration::MAX));
     pool.close();
 }

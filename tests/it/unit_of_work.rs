@@ -131,13 +131,13 @@ async fn rolling_back_to_a_savepoint_forgets_the_records_staged_since() {
     let pool = inbox::create_pool(&env.settings()).unwrap();
     let mut uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
     let (before, after) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
-    uow.stage(before);
+    uow.note_recorded(before);
     let mut uow = uow.savepoint().unwrap();
-    uow.stage(after);
+    uow.note_recorded(after);
     let uow = uow.rollback_to_savepoint().await.unwrap();
     // The row staged after the savepoint is gone with the rollback; a store
     // trusting the stale mark would skip writing it again.
-    assert!(uow.is_staged(before));
-    assert!(!uow.is_staged(after));
+    assert!(uow.is_recorded(before));
+    assert!(!uow.is_recorded(after));
     uow.rollback().await.unwrap();
 }
