@@ -107,9 +107,10 @@ start) start_node "$2" ;;
 run)
     trap down EXIT
     up
-    cargo build --quiet --example checkin_service --example fault_suite
+    cargo build --quiet --example checkin_service
+    cargo test --quiet --test fault_suite --no-run
     urls="amqp://guest:guest@127.0.0.1:$(port 2)/%2f,amqp://guest:guest@127.0.0.1:$(port 3)/%2f"
-    CLUSTER_AMQP_URLS=$urls timeout 900 target/debug/examples/fault_suite --cluster
+    CLUSTER_AMQP_URLS=$urls timeout 900 cargo test --quiet --test fault_suite -- --cluster
     ;;
 *)
     echo "usage: $0 [up|down|run|kill N|start N]" >&2

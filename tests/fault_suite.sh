@@ -6,10 +6,12 @@
 # where nothing else uses them. A few minutes at most.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --quiet --example checkin_service --example fault_suite
+cargo build --quiet --example checkin_service
+cargo test --quiet --test fault_suite --no-run
+suite() { timeout 300 cargo test --quiet --test fault_suite -- "$@"; }
 # One message per transaction, then batches of up to 8; then both again
 # with the service and the suite speaking MassTransit's wire.
-timeout 300 target/debug/examples/fault_suite
-timeout 300 target/debug/examples/fault_suite --batch-size 8
-timeout 300 target/debug/examples/fault_suite --wire masstransit
-timeout 300 target/debug/examples/fault_suite --wire masstransit --batch-size 8
+suite
+suite --batch-size 8
+suite --wire masstransit
+suite --wire masstransit --batch-size 8

@@ -138,7 +138,7 @@ impl Work {
         let uow = uow
             .savepoint()
             .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-        let mut uow = match self
+        let uow = match self
             .run_whole_batch(envelopes, members, keys, &claimed, uow)
             .await
         {
@@ -158,7 +158,23 @@ impl Work {
             WholeBatch::Lost(abandoned) => return Err(abandoned),
         };
 
-        for &position in &claimed {
+        self.run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
+            .await
+    }
+
+    /// After the whole batch failed: runs each claimed message alone, after
+    /// a savepoint of its own, so that a failing one is undone alone and
+    /// the others commit. Fills in each one's outcome.
+    async fn run_each_alone(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        claimed: &[usize],
+        outcomes: &mut [Option<Outcome>],
+        mut uow: UnitOfWork,
+    ) -> Result<UnitOfWork, Abandoned> {
+        for &position in claimed {
             let (i, key) = (members[position], &keys[position]);
             let envelope = Arc::clone(&envelopes[i]);
             let route = self.route(&envelope.event_type)?;

@@ -1,10 +1,5 @@
-//! `inbox-actors`: the actix actors that run [`inbox`].
-//!
-//! ```text
-//! RabbitMQ ─Delivery─▶ ConsumerActor ─Deliver─▶ DedupActor ──Handle──▶ HandlerActor<E>
-//!    ▲                 one per queue ◀─Outcome─ owns the pool ◀─Handled─ one per event type
-//!    └── ack · Q.retry.<n> · Q.error · Q.skipped
-//! ```
+//! `inbox-actors`: the actix actors that run [`inbox`]. How a message
+//! flows through them, drawn: docs/guarantees.md, "How a message flows".
 //!
 //! A service touches the [`Runtime`]: built from [`inbox::Settings`] with
 //! [`Runtime::builder`], it registers a handler per event type,

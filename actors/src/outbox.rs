@@ -72,43 +72,62 @@ impl Actor for OutboxActor {
     type Context = Context<Self>;
 
     fn started(&mut self, _ctx: &mut Context<Self>) {
+        if let Some(config) = self.listen_to.clone() {
+            actix_rt::spawn(self.listening(config));
+        }
+        actix_rt::spawn(self.sampling());
+        let (done, ended) = tokio::sync::oneshot::channel();
+        self.ended = Some(ended);
+        actix_rt::spawn(self.dispatching(done));
+    }
+}
+
+impl OutboxActor {
+    /// Resolves once the actor is told to stop.
+    fn stopped(&self) -> impl Future<Output = ()> + 'static {
+        let mut stop = self.stop.subscribe();
+        async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        }
+    }
+
+    /// Wakes the dispatcher when another process commits rows (LISTEN/NOTIFY).
+    fn listening(&self, config: inbox::tokio_postgres::Config) -> impl Future<Output = ()> + 'static {
+        let wake = Arc::clone(&self.outbox.wake);
+        inbox::outbox::listen(config, move || wake.notify_one(), self.stopped())
+    }
+
+    /// Samples the backlog, for the stats and metrics, every poll interval
+    /// rather than after every round.
+    fn sampling(&self) -> impl Future<Output = ()> + 'static {
+        let (pool, stats, every) = (
+            self.pool.clone(),
+            Arc::clone(&self.stats),
+            self.settings.poll_interval,
+        );
+        let mut stop = self.stop.subscribe();
+        async move {
+            while !*stop.borrow() {
+                match inbox::outbox::backlog(&pool).await {
+                    Ok(backlog) => stats.record_backlog(&backlog),
+                    Err(e) => tracing::debug!(error = %e, "cannot count the outbox's backlog"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    }
+
+    /// Drains the outbox at every wake and poll until told to stop, then
+    /// says so through `done`.
+    fn dispatching(&self, done: tokio::sync::oneshot::Sender<()>) -> impl Future<Output = ()> + 'static {
         let (pool, sink, settings) = (self.pool.clone(), self.sink.clone(), self.settings.clone());
         let stats = Arc::clone(&self.stats);
         let wake = Arc::clone(&self.outbox.wake);
         let mut stop = self.stop.subscribe();
-        let (done, ended) = tokio::sync::oneshot::channel();
-        self.ended = Some(ended);
-        // Rows other processes commit wake it through LISTEN/NOTIFY.
-        if let Some(config) = self.listen_to.clone() {
-            let notified = Arc::clone(&wake);
-            let mut stopped = self.stop.subscribe();
-            actix_rt::spawn(inbox::outbox::listen(
-                config,
-                move || notified.notify_one(),
-                async move {
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                },
-            ));
-        }
-        // The backlog, for the stats and metrics, sampled every poll
-        // interval rather than after every round.
-        {
-            let (pool, stats, every) = (pool.clone(), Arc::clone(&stats), settings.poll_interval);
-            let mut stopped = self.stop.subscribe();
-            actix_rt::spawn(async move {
-                while !*stopped.borrow() {
-                    match inbox::outbox::backlog(&pool).await {
-                        Ok(backlog) => stats.record_backlog(&backlog),
-                        Err(e) => tracing::debug!(error = %e, "cannot count the outbox's backlog"),
-                    }
-                    tokio::select! {
-                        _ = tokio::time::sleep(every) => {}
-                        _ = stopped.changed() => {}
-                    }
-                }
-            });
-        }
-        actix_rt::spawn(async move {
+        async move {
             // Failing since when, and how many drains: an outage is logged
             // when it starts and when it ends, not at every poll.
             let mut failing: Option<(std::time::Instant, u64)> = None;
@@ -127,9 +146,10 @@ impl Actor for OutboxActor {
                 let drained = AssertUnwindSafe(drained).catch_unwind().await.map(|drained| {
                     drained.and_then(|()| match unsent {
                         0 => Ok(()),
-                        rows => Err(inbox::Error::new(inbox::ErrorKind::Broker, format!(
-                            "the broker is unavailable: {rows} outbox messages wait for it, no attempt spent"
-                        ))),
+                        rows => Err(inbox::Error::new(
+                            inbox::ErrorKind::Broker,
+                            format!("the broker is unavailable: {rows} outbox messages wait for it, no attempt spent"),
+                        )),
                     })
                 });
                 match drained {
@@ -157,7 +177,7 @@ impl Actor for OutboxActor {
                 }
             }
             let _ = done.send(());
-        });
+        }
     }
 }
 

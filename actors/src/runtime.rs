@@ -15,6 +15,7 @@ use inbox::{
     NoopInboxStore, Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
 };
 use tokio::sync::Notify;
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::availability::DatabaseGate;
 use crate::consumer::{ConsumerActor, Disconnect, Drain};
@@ -133,48 +134,12 @@ impl RuntimeBuilder {
         if let Some(error) = error {
             return Err(error);
         }
-        if settings.message_bus.provider == Provider::Rabbitmq
-            && routes.is_empty()
-            && !settings.queues.is_empty()
-        {
-            let queues: Vec<&str> = settings.queues.iter().map(|q| q.name.as_str()).collect();
-            // Every message would go to Q.skipped, retries in progress included.
-            return Err(Error::new(
-                ErrorKind::Usage,
-                format!(
-                    "no handler is registered, so consuming {} would move every message to its skipped queue: \
-                 register handlers with `.handler(..)` before `build` or `start`",
-                    queues.join(", ")
-                ),
-            ));
-        }
-
-        // With the outbox on, this process dispatches it and wakes its
-        // dispatcher itself: its commits need not notify others.
-        let outbox_on = settings.is_outbox_enabled();
-        let pool = match outbox_on {
-            true => inbox::create_dispatching_pool(&settings)?,
-            false => inbox::create_pool(&settings)?,
-        };
-        let mut connection = inbox::wait_for_database(&pool, &settings).await?;
-        if settings.database.run_migrations || !migrations.is_empty() {
-            inbox::migrate(&mut connection, settings.database.run_migrations, &migrations).await?;
-        }
-        drop(connection);
-        let inbox_on = settings.is_inbox_enabled();
-        if settings.message_bus.provider == Provider::Rabbitmq && !inbox_on {
-            tracing::warn!(
-                "message_bus.enable_inbox is false on a rabbitmq host: every redelivery (a lost ack, a crash, a \
-                 redeploy) will reach the handlers again. The inbox_messages table already exists, so turning \
-                 the inbox on is a settings change and a restart."
-            );
-        }
-        let store = store.unwrap_or_else(|| {
-            if inbox_on {
-                Arc::new(PgInboxStore)
-            } else {
-                Arc::new(NoopInboxStore)
-            }
+        check_handlers(&settings, &routes)?;
+        warn_when_off(&settings);
+        let pool = prepare_database(&settings, &migrations).await?;
+        let store = store.unwrap_or_else(|| match settings.is_inbox_enabled() {
+            true => Arc::new(PgInboxStore),
+            false => Arc::new(NoopInboxStore),
         });
 
         crate::metrics::describe();
@@ -195,50 +160,26 @@ impl RuntimeBuilder {
             .into_iter()
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
             .collect();
-        let stats = Arc::new(Stats::default());
-        // Units of work stage what they publish: as rows the dispatcher
-        // sends once committed, or, with the outbox off, held until the
-        // commit and handed over then.
-        if settings.message_bus.provider == Provider::Rabbitmq && !outbox_on {
-            tracing::warn!(
-                "message_bus.enable_outbox is false on a rabbitmq host: what units of work publish is sent right \
-                 after their commit, and a crash in between loses it. The outbox_messages table already exists, \
-                 so turning the outbox on is a settings change and a restart."
-            );
-        }
-        let (after_commit, held) = match outbox_on {
-            true => (None, None),
-            false => {
-                let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
-                (Some(sender), Some(receiver))
-            }
-        };
-        let outbox = Outbox {
-            exchange: settings.message_bus.exchange.as_str().into(),
-            max_message_size: settings.message_bus.max_message_size,
-            wire: settings.message_bus.wire,
-            wake: Arc::new(Notify::new()),
-            after_commit,
-        };
         for (event_type, route) in &routes {
             let handler = route.one.downgrade();
             health.watch_actor(format!("handler actor of {event_type}"), move || {
                 handler.upgrade().is_some_and(|handler| handler.connected())
             });
         }
+        let stats = Arc::new(Stats::default());
+        let (outbox, handed_over) = outbox_of(&settings);
         let dedup = {
             let (pool, stats, outbox) = (pool.clone(), Arc::clone(&stats), outbox.clone());
             let timeout = settings.database.transaction_timeout;
             let queues = settings.queues.clone();
             Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout, outbox, &queues))
         };
-
+        health.watch_actor("dedup actor", running(&dedup));
         // Rows of an enabled period stay while the inbox is off: nothing
         // deletes them until it is on again.
-        let retention = inbox_on.then(|| {
+        let retention = settings.is_inbox_enabled().then(|| {
             RetentionActor::new(pool.clone(), settings.retention.clone(), Arc::clone(&stats)).start()
         });
-        health.watch_actor("dedup actor", running(&dedup));
         if let Some(retention) = &retention {
             health.watch_actor("retention actor", running(retention));
         }
@@ -266,7 +207,7 @@ impl RuntimeBuilder {
             health,
         };
         let mut runtime = if runtime.settings.message_bus.provider == Provider::Rabbitmq {
-            match runtime.connect_broker(outbox_on).await {
+            match runtime.connect_broker().await {
                 Ok(runtime) => runtime,
                 Err((runtime, e)) => {
                     runtime.shutdown().await;
@@ -276,15 +217,92 @@ impl RuntimeBuilder {
         } else {
             runtime
         };
-        match held {
+        match handed_over {
             // The outbox is off: what a commit hands over goes out now.
-            Some(held) => hand_over(held, runtime.publisher.clone()),
+            Some(handed_over) => hand_over(handed_over, runtime.publisher.clone()),
             // In process, the handlers take the rows.
             None if runtime.dispatcher.is_none() => runtime.start_dispatcher(runtime.publisher.clone()),
             None => {}
         }
         Ok(runtime)
     }
+}
+
+/// Refuses to consume with no handler at all: every message, retries in
+/// progress included, would go to its skipped queue.
+fn check_handlers(settings: &Settings, routes: &HashMap<&'static str, Box<dyn Registered>>) -> Result<()> {
+    if settings.message_bus.provider == Provider::Rabbitmq && routes.is_empty() && !settings.queues.is_empty()
+    {
+        let queues: Vec<&str> = settings.queues.iter().map(|q| q.name.as_str()).collect();
+        return Err(Error::new(
+            ErrorKind::Usage,
+            format!(
+                "no handler is registered, so consuming {} would move every message to its skipped queue: \
+                 register handlers with `.handler(..)` before `start`",
+                queues.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Warns once at start about a broker host with the inbox or the outbox
+/// turned off (ADR-021's startup warning).
+fn warn_when_off(settings: &Settings) {
+    if settings.message_bus.provider != Provider::Rabbitmq {
+        return;
+    }
+    if !settings.is_inbox_enabled() {
+        tracing::warn!(
+            "message_bus.enable_inbox is false on a rabbitmq host: every redelivery (a lost ack, a crash, a \
+             redeploy) will reach the handlers again. The inbox_messages table already exists, so turning \
+             the inbox on is a settings change and a restart."
+        );
+    }
+    if !settings.is_outbox_enabled() {
+        tracing::warn!(
+            "message_bus.enable_outbox is false on a rabbitmq host: what units of work publish is sent right \
+             after their commit, and a crash in between loses it. The outbox_messages table already exists, \
+             so turning the outbox on is a settings change and a restart."
+        );
+    }
+}
+
+/// The pool, once the database answers and the migrations (the inbox's,
+/// then the service's) have run.
+async fn prepare_database(settings: &Settings, migrations: &[Migration]) -> Result<Pool> {
+    // With the outbox on, this process dispatches it and wakes its
+    // dispatcher itself: its commits need not notify others.
+    let pool = match settings.is_outbox_enabled() {
+        true => inbox::create_dispatching_pool(settings)?,
+        false => inbox::create_pool(settings)?,
+    };
+    let mut connection = inbox::wait_for_database(&pool, settings).await?;
+    if settings.database.run_migrations || !migrations.is_empty() {
+        inbox::migrate(&mut connection, settings.database.run_migrations, migrations).await?;
+    }
+    Ok(pool)
+}
+
+/// Where units of work stage what they publish: rows the dispatcher sends
+/// once committed or, with the outbox off, messages handed over after the
+/// commit, through the receiver returned beside it.
+fn outbox_of(settings: &Settings) -> (Outbox, Option<UnboundedReceiver<inbox::Outgoing>>) {
+    let (after_commit, handed_over) = match settings.is_outbox_enabled() {
+        true => (None, None),
+        false => {
+            let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+            (Some(sender), Some(receiver))
+        }
+    };
+    let outbox = Outbox {
+        exchange: settings.message_bus.exchange.as_str().into(),
+        max_message_size: settings.message_bus.max_message_size,
+        wire: settings.message_bus.wire,
+        wake: Arc::new(Notify::new()),
+        after_commit,
+    };
+    (outbox, handed_over)
 }
 
 impl std::fmt::Debug for RuntimeBuilder {
@@ -373,7 +391,7 @@ impl Runtime {
 
     /// Connects the publisher, declares the exchange and every queue's
     /// topology. On failure, hands the runtime back for a shutdown.
-    async fn connect_broker(mut self, outbox_on: bool) -> std::result::Result<Self, (Self, Error)> {
+    async fn connect_broker(mut self) -> std::result::Result<Self, (Self, Error)> {
         let declared = async {
             // Publishing has a connection of its own; each queue has another.
             let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
@@ -386,7 +404,7 @@ impl Runtime {
             }
             let _ = channel.close(200, "declared".into()).await;
             // The outbox dispatches over a connection of its own.
-            let dispatching = match outbox_on {
+            let dispatching = match self.settings.is_outbox_enabled() {
                 true => Some(inbox::AmqpPublisher::connect(&self.settings, "inbox outbox").await?),
                 false => None,
             };
@@ -563,10 +581,10 @@ impl Runtime {
 
 /// With the outbox off: sends what each commit hands over, as it comes. A
 /// message the broker (or the handlers) do not take is lost, and said so.
-fn hand_over(mut held: tokio::sync::mpsc::UnboundedReceiver<inbox::Outgoing>, sink: Publisher) {
+fn hand_over(mut handed_over: UnboundedReceiver<inbox::Outgoing>, sink: Publisher) {
     use inbox::Sink;
     actix_rt::spawn(async move {
-        while let Some(outgoing) = held.recv().await {
+        while let Some(outgoing) = handed_over.recv().await {
             if let Err(e) = sink.send(&outgoing).await {
                 tracing::error!(
                     message_id = %outgoing.message_id,

@@ -2,10 +2,14 @@
 //! around it, then checks that nothing was lost and nothing applied twice.
 //!
 //! ```text
-//! cargo run --example fault_suite [-- --batch-size N] [--wire masstransit]   # or: tests/fault_suite.sh
+//! cargo build --example checkin_service
+//! cargo test --test fault_suite -- [--batch-size N] [--wire masstransit]   # or: bash tests/fault_suite.sh
 //! ```
 //!
-//! It starts `examples/checkin_service` (built beside this binary) on a
+//! A harness, not a test `cargo test` runs (`test = false` in Cargo.toml):
+//! it restarts the machine's PostgreSQL and RabbitMQ.
+//!
+//! It starts `examples/checkin_service` (built in the same target folder) on a
 //! fresh queue and database, publishes 5,000 check-ins (20% re-using an id)
 //! plus malformed deliveries and events with a negative attendee id (which
 //! the service refuses), and while they are consumed: SIGKILLs the service
@@ -43,6 +47,7 @@
 //! consumer is connected to and brings it back; the service's own SIGKILLs
 //! and the crash loop run as usual. The line ends with `node_kills=2`.
 
+#[path = "../examples/common/mod.rs"]
 mod common;
 
 use std::collections::{HashMap, HashSet};
@@ -149,9 +154,14 @@ async fn run() -> Result<bool> {
     settings.queues = vec![QueueSettings::new(&queue)];
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     settings.database.name = Some(DATABASE.into());
-    let service = std::env::current_exe()
-        .map_err(|e| fail(format!("where am I: {e}")))?
-        .with_file_name("checkin_service");
+    // This binary is target/<profile>/deps/fault_suite-<hash>; the example
+    // is target/<profile>/examples/checkin_service.
+    let exe = std::env::current_exe().map_err(|e| fail(format!("where am I: {e}")))?;
+    let service = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .map(|profile| profile.join("examples").join("checkin_service"))
+        .ok_or_else(|| fail(format!("no target folder above {}", exe.display())))?;
     if !service.exists() {
         return Err(fail(format!(
             "{} is missing: cargo build --example checkin_service",
