@@ -1,0 +1,122 @@
+//! Where the database and the brokers are: the PostgreSQL connection
+//! settings, endpoints for logs and errors, and passwords kept out of both.
+
+use std::time::Duration;
+
+use super::Settings;
+use crate::error::{Error, Result};
+
+impl Settings {
+    /// Where the brokers are, for logs and errors: each one's
+    /// `host:port/vhost`, comma-separated; never a password.
+    pub fn broker_endpoint(&self) -> String {
+        let endpoints: Vec<String> = self.amqp_urls().into_iter().map(broker_endpoint).collect();
+        endpoints.join(",")
+    }
+
+    /// Where the database is, for logs and errors: `host:port/dbname` (every
+    /// host, for a list), never the password.
+    pub fn database_endpoint(&self) -> String {
+        let Ok(config) = self.pg_config() else {
+            return redact(&self.database.url);
+        };
+        let ports = config.get_ports();
+        let hosts: Vec<String> = config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match host {
+                    tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                    #[cfg(unix)]
+                    tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+                }
+            })
+            .collect();
+        format!("{}/{}", hosts.join(","), config.get_dbname().unwrap_or(""))
+    }
+
+    /// The PostgreSQL connection settings: `database.url` with
+    /// `database.name`, `database.connect_timeout` and, for every session,
+    /// `database.lock_timeout` applied.
+    pub fn pg_config(&self) -> Result<tokio_postgres::Config> {
+        let db = &self.database;
+        let mut config: tokio_postgres::Config = db
+            .url
+            .parse()
+            .map_err(|e| Error::setting("database.url", format!("not a PostgreSQL URL: {e}")))?;
+        if let Some(name) = &db.name {
+            config.dbname(name);
+        }
+        config.connect_timeout(db.connect_timeout);
+        // A peer that vanished without closing: keepalives find an idle
+        // connection dead within about 30 s, and unacknowledged writes fail
+        // after 30 s, instead of the system's two hours or more.
+        config
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(15))
+            .tcp_user_timeout(Duration::from_secs(30));
+        #[cfg(unix)]
+        config
+            .keepalives_interval(Duration::from_secs(5))
+            .keepalives_retries(3);
+        // Session settings rather than SET LOCAL in every transaction: no
+        // statement more per message.
+        let lock = db.lock_timeout.as_millis().max(1);
+        let transaction = db.transaction_timeout.as_millis().max(1);
+        let session = format!(
+            "-c lock_timeout={lock} -c statement_timeout={transaction} \
+             -c idle_in_transaction_session_timeout={transaction}"
+        );
+        let options = match config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {session}"),
+            _ => session,
+        };
+        config.options(&options);
+        Ok(config)
+    }
+}
+
+/// Where the broker `url` names is, for logs and errors: `host:port`, then
+/// `/vhost` unless it is the default `/`; never the password.
+pub(crate) fn broker_endpoint(url: &str) -> String {
+    match url.parse::<lapin::uri::AMQPUri>() {
+        Ok(uri) if uri.vhost == "/" => format!("{}:{}", uri.authority.host, uri.authority.port),
+        Ok(uri) => format!("{}:{}/{}", uri.authority.host, uri.authority.port, uri.vhost),
+        Err(_) => redact(url),
+    }
+}
+
+/// `url` with its password, if any, replaced by `***`: in the
+/// `scheme://user:password@host` form, and in PostgreSQL's `key=value`
+/// form (`password=...`). For logs, errors and `Debug`.
+pub(crate) fn redact(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        if let Some((userinfo, host)) = authority.rsplit_once('@')
+            && let Some((user, _password)) = userinfo.split_once(':')
+        {
+            return format!("{scheme}://{user}:***@{host}{}", redact_options(tail));
+        }
+        return format!("{scheme}://{authority}{}", redact_options(tail));
+    }
+    redact_options(url)
+}
+
+/// `password=...` (a `key=value` connection string, or a URL's query)
+/// with the value replaced by `***`.
+fn redact_options(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("password=") {
+        let value = at + "password=".len();
+        out.push_str(&rest[..value]);
+        out.push_str("***");
+        let end = rest[value..].find([' ', '&']).map_or(rest.len(), |e| value + e);
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}

@@ -1,0 +1,517 @@
+//! Settings: layered raw values, then validation with errors that name the key.
+//!
+//! Layers, later ones winning: the built-in defaults below (the same values
+//! `config/default.toml` documents), `config/default.toml`,
+//! `config/{INBOX_ENV}.toml`, then environment variables
+//! `INBOX__SECTION__KEY` (for example `INBOX__DATABASE__POOL_SIZE=32`).
+//!
+//! One concern a file: the schema and its defaults here; `load.rs` (files
+//! and environment), `validate.rs` ([`ValidSettings`]: errors that name
+//! the key), `connection.rs` (where the database and the brokers are, and
+//! passwords kept out of logs).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::policy::Target;
+
+mod connection;
+mod load;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+pub(crate) use connection::{broker_endpoint, redact};
+pub(crate) use validate::MAX_DELIVERY_LIMIT;
+pub use validate::ValidSettings;
+
+/// Every setting of the runtime. Build it with [`Settings::load`] (files and
+/// environment) or in code from [`Settings::default`]; the runtime validates
+/// it again on start.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// `[message_bus]`: which bus, where it is, and whether the inbox is on.
+    pub message_bus: MessageBusSettings,
+    /// `[database]`: the service's own PostgreSQL database, home of the inbox.
+    pub database: DatabaseSettings,
+    /// `[[queues]]`: the queues this service consumes, one consumer actor each.
+    pub queues: Vec<QueueSettings>,
+    /// `[failure]`: what happens to a message its handlers cannot process.
+    pub failure: FailureSettings,
+    /// `[retention]`: how long inbox rows are kept.
+    pub retention: RetentionSettings,
+    /// `[runtime]`: lifecycle of the actors.
+    pub runtime: RuntimeSettings,
+    /// `[outbox]`: dispatching the messages staged with
+    /// [`UnitOfWork::publish`](crate::UnitOfWork::publish).
+    pub outbox: OutboxSettings,
+}
+
+/// How events travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Provider {
+    /// Through RabbitMQ: at-least-once delivery, so the inbox defaults to on.
+    #[default]
+    Rabbitmq,
+    /// Straight to the handler actors in this process, no broker: nothing is
+    /// ever redelivered, so the inbox defaults to off.
+    InProcess,
+}
+
+/// What a message looks like on the wire, and how the queues kept beside a
+/// consumed queue are named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wire {
+    /// This library's own contract: the AMQP `message_id` and `type`
+    /// properties, the event as the JSON body; `Q.retry.<n>`, `Q.error`,
+    /// `Q.skipped`.
+    #[default]
+    Inbox,
+    /// MassTransit 8's ([`crate::masstransit`]): the JSON envelope (or raw
+    /// JSON), types as `urn:message:Namespace:Type`, a fanout exchange per
+    /// queue and per message type, `Q_error` and `Q_skipped` with
+    /// MassTransit's `MT-*` fault headers; `Q_retry_<n>` for the delay
+    /// tiers (MassTransit's own delays need a broker plugin).
+    Masstransit,
+}
+
+/// `[message_bus]`. Its `Debug` hides the passwords in `amqp_url` and
+/// `amqp_urls`.
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MessageBusSettings {
+    /// `provider`: `rabbitmq` or `in_process`. Default `rabbitmq`.
+    pub provider: Provider,
+    /// `wire`: `inbox` (this library's contract) or `masstransit`
+    /// (MassTransit 8's envelope, topology and fault conventions). Default
+    /// `inbox`.
+    pub wire: Wire,
+    /// `amqp_url`: the broker. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    pub amqp_url: String,
+    /// `amqp_urls`: the nodes of a RabbitMQ cluster, one URL each. When set,
+    /// it replaces `amqp_url`: every connection (consumers, the publisher,
+    /// the outbox dispatcher) goes to the next node in turn, and a failed
+    /// attempt moves on to the next. Default empty: `amqp_url` alone. See
+    /// [`Settings::amqp_urls`].
+    pub amqp_urls: Vec<String>,
+    /// `exchange`: where [publishing](crate::AmqpPublisher) sends events.
+    /// Default `""`, the default exchange, where the routing key is the queue name.
+    pub exchange: String,
+    /// `enable_inbox`: deduplicate redeliveries through `inbox_messages`.
+    /// Default unset: on for `rabbitmq`, off for `in_process`. An explicit
+    /// value wins both ways; see [`Settings::is_inbox_enabled`].
+    pub enable_inbox: Option<bool>,
+    /// `enable_outbox`: stage what units of work publish in
+    /// `outbox_messages`, so that it leaves only once their transaction has
+    /// committed, then at least once. Default unset: on for `rabbitmq`, off
+    /// for `in_process`. Off, a staged message is published right after the
+    /// commit (a crash in between loses it); in process, it reaches the
+    /// handlers after the commit. See [`Settings::is_outbox_enabled`].
+    pub enable_outbox: Option<bool>,
+    /// `connect_timeout`: how long the start keeps trying to reach the
+    /// broker (each failed attempt is a WARN naming it) before it fails;
+    /// also the longest one connection attempt may take later, when a
+    /// consumer reconnects. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// `confirm_timeout`: the longest a publish waits for the broker's
+    /// confirm. A broker under a memory or disk alarm takes no publishes,
+    /// and a network that drops packets answers nothing: past this, a move
+    /// to a retry tier or `Q.error` hands its message back to the broker
+    /// (to be tried again later), and a publish from code fails. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub confirm_timeout: Duration,
+    /// `max_message_size`: the largest body, in bytes, that a unit of work
+    /// may stage and the outbox sends: the broker closes the channel on a
+    /// larger one. Set it to the broker's own `max_message_size`. Default
+    /// 16 MiB (RabbitMQ 4's default).
+    pub max_message_size: usize,
+}
+
+impl Default for MessageBusSettings {
+    fn default() -> Self {
+        Self {
+            provider: Provider::Rabbitmq,
+            wire: Wire::Inbox,
+            amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            amqp_urls: Vec::new(),
+            exchange: String::new(),
+            enable_inbox: None,
+            enable_outbox: None,
+            connect_timeout: Duration::from_secs(30),
+            confirm_timeout: Duration::from_secs(30),
+            max_message_size: crate::limits::DEFAULT_MAX_MESSAGE_SIZE,
+        }
+    }
+}
+
+impl std::fmt::Debug for MessageBusSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageBusSettings")
+            .field("provider", &self.provider)
+            .field("wire", &self.wire)
+            .field("amqp_url", &redact(&self.amqp_url))
+            .field(
+                "amqp_urls",
+                &self.amqp_urls.iter().map(|url| redact(url)).collect::<Vec<_>>(),
+            )
+            .field("exchange", &self.exchange)
+            .field("enable_inbox", &self.enable_inbox)
+            .field("enable_outbox", &self.enable_outbox)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("max_message_size", &self.max_message_size)
+            .finish()
+    }
+}
+
+/// `[database]`. Its `Debug` hides the password in `url`.
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseSettings {
+    /// `url`: PostgreSQL connection URL. Default `postgres://postgres@127.0.0.1:5432/postgres`.
+    pub url: String,
+    /// `name`: a database name that replaces the one in `url`. Default unset.
+    pub name: Option<String>,
+    /// `pool_size`: connections in the inbox pool. Each message in flight
+    /// holds one, so keep it at least the sum of the queues' `prefetch`.
+    /// Default 20.
+    pub pool_size: usize,
+    /// `run_migrations`: create or update the inbox's tables at startup.
+    /// Default `true`.
+    pub run_migrations: bool,
+    /// `lock_timeout`: the longest a message's transaction waits for a row
+    /// lock, above all for a concurrent delivery of the same message to
+    /// finish. Past it the message goes back to the broker (and is skipped
+    /// there if the other delivery committed). Default `5s`.
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
+    /// `connect_timeout`: the longest one new connection may take; also how
+    /// long the start keeps trying to reach the database (each failed
+    /// attempt is a WARN naming it) before it fails. Default `5s`.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// `transaction_timeout`: the longest one message's (or one batch's)
+    /// transaction may take, handlers included. Past it the runtime
+    /// abandons the transaction, closes its connection and holds the
+    /// message as during an outage (a network that drops packets without
+    /// closing answers nothing, forever). The server ends a statement, and a
+    /// session idle inside a transaction, past the same time, so that a
+    /// client cut off mid-transaction does not keep its row locks. Also
+    /// the longest wait for a free pooled connection. Default `60s`.
+    #[serde(with = "humantime_serde")]
+    pub transaction_timeout: Duration,
+}
+
+impl std::fmt::Debug for DatabaseSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseSettings")
+            .field("url", &redact(&self.url))
+            .field("name", &self.name)
+            .field("pool_size", &self.pool_size)
+            .field("run_migrations", &self.run_migrations)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("transaction_timeout", &self.transaction_timeout)
+            .finish()
+    }
+}
+
+impl Default for DatabaseSettings {
+    fn default() -> Self {
+        Self {
+            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            name: None,
+            pool_size: 20,
+            run_migrations: true,
+            lock_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            transaction_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What kind of RabbitMQ queue to declare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueKind {
+    /// Replicated, durable; the default.
+    #[default]
+    Quorum,
+    /// A durable classic queue.
+    Classic,
+}
+
+/// One `[[queues]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSettings {
+    /// `name`: the queue to consume. Required.
+    pub name: String,
+    /// `consumer`: the consumer id in the dedup key `(consumer, message_id)`.
+    /// Default: the queue name.
+    #[serde(default)]
+    pub consumer: Option<String>,
+    /// `prefetch`: how many deliveries may be in flight at once. Default 16.
+    #[serde(default = "default_prefetch")]
+    pub prefetch: u16,
+    /// `kind`: `quorum` or `classic`. Default `quorum`.
+    #[serde(default)]
+    pub kind: QueueKind,
+    /// `batch_size`: at most this many deliveries that are ready together
+    /// run in one transaction, with one commit: the handlers run on the
+    /// whole batch ([`EventHandler::handle_batch`](crate::EventHandler::handle_batch)), and if that
+    /// fails, on each message after a savepoint of its own. 1 (the default)
+    /// processes each message in its own transaction. Opt-in; at most 64
+    /// and at most `prefetch`.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: u16,
+    /// `concurrent_batches`: how many of the queue's batches may run their
+    /// handlers at once (the others claim or commit meanwhile). Default 1.
+    /// Raise it only if every handler takes its row locks in one order
+    /// (set-based statements sorted by key): two batches locking shared rows
+    /// in opposite orders deadlock, and PostgreSQL breaks a deadlock only
+    /// after its `deadlock_timeout` (1 s by default). At most
+    /// `prefetch / batch_size`, the batches that can be in flight.
+    #[serde(default = "default_concurrent_batches")]
+    pub concurrent_batches: u16,
+    /// `delivery_limit`: how many times the broker may deliver a message of
+    /// a quorum queue before it sets it aside in `Q.error` (dead-lettered,
+    /// with the broker's `x-death` header saying `delivery_limit`). Only a
+    /// crash loop gets there: a message whose handler kills the process, or
+    /// one handed back again and again. RabbitMQ 4 gives every quorum queue
+    /// a limit of 20 and drops the message past it unless the queue
+    /// dead-letters: `Q` is declared with this limit and dead-lettering to
+    /// `Q.error`, so nothing is dropped. Classic queues count no deliveries:
+    /// there a crash loop goes on. Default 20.
+    #[serde(default = "default_delivery_limit")]
+    pub delivery_limit: u32,
+}
+
+fn default_delivery_limit() -> u32 {
+    20
+}
+
+fn default_batch_size() -> u16 {
+    1
+}
+
+fn default_concurrent_batches() -> u16 {
+    1
+}
+
+fn default_prefetch() -> u16 {
+    16
+}
+
+impl QueueSettings {
+    /// A queue with default settings.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            consumer: None,
+            prefetch: default_prefetch(),
+            kind: QueueKind::default(),
+            batch_size: default_batch_size(),
+            concurrent_batches: default_concurrent_batches(),
+            delivery_limit: default_delivery_limit(),
+        }
+    }
+
+    /// The consumer id used in the dedup key: `consumer`, or the queue name.
+    pub fn consumer_id(&self) -> &str {
+        self.consumer.as_deref().unwrap_or(&self.name)
+    }
+}
+
+/// `[failure]`: immediate retries, then delayed redelivery through the retry
+/// tiers `Q.retry.1`, `Q.retry.2`, …, then the error queue `Q.error`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FailureSettings {
+    /// `immediate_retries`: further attempts in process, each in a fresh
+    /// transaction, before the message is sent to a retry tier. Default 3.
+    pub immediate_retries: u32,
+    /// `immediate_backoff`: pause before the first immediate retry, doubled
+    /// for each one after. Default `100ms`.
+    #[serde(with = "humantime_serde")]
+    pub immediate_backoff: Duration,
+    /// `delays`: one retry tier per delay, in order; a message that failed
+    /// its immediate retries waits in the next tier, then comes back. After
+    /// the last tier it goes to `Q.error`. Default `["30s", "5m", "1h"]`.
+    #[serde(deserialize_with = "durations")]
+    pub delays: Vec<Duration>,
+    /// `max_body_size`: bytes; a larger body goes straight to `Q.error`.
+    /// Default 1048576 (1 MiB).
+    pub max_body_size: usize,
+}
+
+impl Default for FailureSettings {
+    fn default() -> Self {
+        Self {
+            immediate_retries: 3,
+            immediate_backoff: Duration::from_millis(100),
+            delays: [30, 300, 3600].map(Duration::from_secs).to_vec(),
+            max_body_size: 1 << 20,
+        }
+    }
+}
+
+impl FailureSettings {
+    /// The pause before immediate retry number `retry` (from 0).
+    pub fn backoff(&self, retry: u32) -> Duration {
+        crate::Backoff::nth(self.immediate_backoff, retry.min(16), Duration::MAX)
+    }
+
+    /// Where a message goes once its immediate retries are spent, given
+    /// how many delayed redeliveries it has had: the next retry tier, or
+    /// `Q.error` when every tier has been tried.
+    pub fn destination(&self, redeliveries: u32) -> Target {
+        let next = usize::try_from(redeliveries).map_or(usize::MAX, |r| r.saturating_add(1));
+        if next <= self.delays.len() {
+            Target::RetryTier(next)
+        } else {
+            Target::Exhausted
+        }
+    }
+
+    /// The longest a message can take from its first failure to its last
+    /// attempt: every backoff and every tier's delay.
+    pub fn longest_redelivery_path(&self) -> Duration {
+        let backoffs: Duration = (0..self.immediate_retries).map(|r| self.backoff(r)).sum();
+        let per_delivery = backoffs.saturating_mul(self.delays.len() as u32 + 1);
+        self.delays.iter().sum::<Duration>() + per_delivery
+    }
+}
+
+fn durations<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<Duration>, D::Error> {
+    let wrapped: Vec<humantime_serde::Serde<Duration>> = Deserialize::deserialize(deserializer)?;
+    Ok(wrapped.into_iter().map(|d| d.into_inner()).collect())
+}
+
+/// `[retention]`: the cleanup that keeps `inbox_messages` from growing
+/// forever. It runs only while the inbox is on.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionSettings {
+    /// `days`: how long an inbox row is kept. A redelivery (or a replay from
+    /// `Q.error`) later than this is processed again, so it must exceed the
+    /// longest redelivery path. Default 7.
+    pub days: u32,
+    /// `interval`: time between sweeps. Default `10m`.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// `batch_size`: rows deleted per statement (each its own short
+    /// transaction); a sweep deletes batches until nothing is due.
+    /// Default 5000.
+    pub batch_size: u32,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self {
+            days: 7,
+            interval: Duration::from_secs(600),
+            batch_size: 5000,
+        }
+    }
+}
+
+impl RetentionSettings {
+    /// `days` as a duration.
+    pub fn period(&self) -> Duration {
+        Duration::from_secs(u64::from(self.days) * 24 * 60 * 60)
+    }
+}
+
+/// `[outbox]`: how the dispatcher publishes the rows of `outbox_messages`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutboxSettings {
+    /// `poll_interval`: how often the dispatcher looks for due rows when no
+    /// commit woke it (rows of other processes, retries coming due).
+    /// Default `1s`.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// `batch_size`: rows claimed, published and deleted per round.
+    /// Default 100.
+    pub batch_size: u32,
+    /// `retry_backoff`: the pause after a row's failed publish, doubled
+    /// after each next failure up to `max_retry_backoff`. Default `1s`.
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff: Duration,
+    /// `max_retry_backoff`: the longest pause between a row's tries.
+    /// Default `5m`.
+    #[serde(with = "humantime_serde")]
+    pub max_retry_backoff: Duration,
+    /// `max_attempts`: failed publishes after which a row is parked as dead
+    /// (`dead_at` set, its last error kept) and no longer blocks or costs
+    /// anything. Default 10.
+    pub max_attempts: u32,
+}
+
+impl Default for OutboxSettings {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_secs(1),
+            batch_size: 100,
+            retry_backoff: Duration::from_secs(1),
+            max_retry_backoff: Duration::from_secs(300),
+            max_attempts: 10,
+        }
+    }
+}
+
+/// `[runtime]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeSettings {
+    /// `shutdown_timeout`: on SIGINT/SIGTERM, how long to let in-flight
+    /// messages finish before closing anyway (the unfinished ones are
+    /// redelivered). Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for RuntimeSettings {
+    fn default() -> Self {
+        Self {
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Settings {
+    /// Whether the inbox deduplicates: an explicit `message_bus.enable_inbox`
+    /// wins both ways; unset resolves on for `rabbitmq` (at-least-once
+    /// delivery) and off for `in_process` (nothing is redelivered).
+    pub fn is_inbox_enabled(&self) -> bool {
+        self.message_bus
+            .enable_inbox
+            .unwrap_or(self.message_bus.provider != Provider::InProcess)
+    }
+
+    /// Whether staged messages go through `outbox_messages`: an explicit
+    /// `message_bus.enable_outbox` wins both ways; unset resolves on for
+    /// `rabbitmq` and off for `in_process`, as the inbox does.
+    pub fn is_outbox_enabled(&self) -> bool {
+        self.message_bus
+            .enable_outbox
+            .unwrap_or(self.message_bus.provider != Provider::InProcess)
+    }
+
+    /// The brokers to connect to, in order: `message_bus.amqp_urls` when
+    /// set, else `message_bus.amqp_url` alone.
+    pub fn amqp_urls(&self) -> Vec<&str> {
+        match self.message_bus.amqp_urls.as_slice() {
+            [] => vec![self.message_bus.amqp_url.as_str()],
+            urls => urls.iter().map(String::as_str).collect(),
+        }
+    }
+}

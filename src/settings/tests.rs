@@ -1,0 +1,320 @@
+//! The settings' unit tests: layering, validation, redaction.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use super::load::config_dir;
+use super::*;
+
+fn with_bus(provider: Provider, enable_inbox: Option<bool>) -> Settings {
+    let mut settings = Settings::default();
+    settings.message_bus.provider = provider;
+    settings.message_bus.enable_inbox = enable_inbox;
+    settings
+}
+
+#[test]
+fn inbox_resolution_table() {
+    use Provider::*;
+    let table = [
+        (Rabbitmq, None, true),
+        (Rabbitmq, Some(true), true),
+        (Rabbitmq, Some(false), false),
+        (InProcess, None, false),
+        (InProcess, Some(true), true),
+        (InProcess, Some(false), false),
+    ];
+    for (provider, explicit, expected) in table {
+        assert_eq!(
+            with_bus(provider, explicit).is_inbox_enabled(),
+            expected,
+            "provider {provider:?}, enable_inbox {explicit:?}"
+        );
+        let mut outbox = Settings::default();
+        outbox.message_bus.provider = provider;
+        outbox.message_bus.enable_outbox = explicit;
+        assert_eq!(
+            outbox.is_outbox_enabled(),
+            expected,
+            "provider {provider:?}, enable_outbox {explicit:?}"
+        );
+    }
+}
+
+fn temp_dir(files: &[(&str, &str)]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("inbox-settings-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    dir
+}
+
+fn vars(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+    Some(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    )
+}
+
+#[test]
+fn the_shipped_default_file_matches_the_built_in_defaults() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let loaded = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    let built_in = Settings::default();
+    assert_eq!(format!("{loaded:?}"), format!("{built_in:?}"));
+}
+
+#[test]
+fn layers_apply_in_order_default_file_env_file_environment() {
+    let dir = temp_dir(&[
+        (
+            "default.toml",
+            "[database]\npool_size = 7\nname = \"from_default\"\n[message_bus]\nprovider = \"in_process\"\n",
+        ),
+        (
+            "staging.toml",
+            "[database]\npool_size = 9\n[[queues]]\nname = \"orders\"\nprefetch = 4\n",
+        ),
+    ]);
+    let settings = Settings::load_layered(
+        &dir,
+        Some("staging"),
+        vars(&[
+            ("INBOX__DATABASE__POOL_SIZE", "11"),
+            ("INBOX__MESSAGE_BUS__ENABLE_INBOX", "true"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        settings.database.pool_size, 11,
+        "environment wins over both files"
+    );
+    assert_eq!(
+        settings.database.name.as_deref(),
+        Some("from_default"),
+        "default file applies"
+    );
+    assert_eq!(settings.queues[0].prefetch, 4, "environment file applies");
+    assert_eq!(
+        settings.queues[0].consumer_id(),
+        "orders",
+        "consumer defaults to the queue name"
+    );
+    assert_eq!(settings.message_bus.provider, Provider::InProcess);
+    assert!(settings.is_inbox_enabled(), "explicit true wins over in_process");
+}
+
+#[test]
+fn a_missing_environment_file_is_an_error_naming_it() {
+    let dir = temp_dir(&[]);
+    let err = Settings::load_layered(&dir, Some("prod"), vars(&[])).unwrap_err();
+    assert!(err.to_string().contains("prod"), "{err}");
+}
+
+#[test]
+fn invalid_values_name_their_key() {
+    let cases = [
+        ("INBOX__MESSAGE_BUS__PROVIDER", "kafka", "provider"),
+        ("INBOX__MESSAGE_BUS__ENABLE_INBOX", "maybe", "enable_inbox"),
+        ("INBOX__DATABASE__POOL_SIZE", "0", "database.pool_size"),
+        ("INBOX__DATABASE__LOCK_TIMEOUT", "soon", "lock_timeout"),
+        ("INBOX__DATABASE__LOCK_TIMEOUT", "0s", "database.lock_timeout"),
+        ("INBOX__DATABASE__LOCK_TIMEOUT", "25days", "database.lock_timeout"),
+        (
+            "INBOX__DATABASE__CONNECT_TIMEOUT",
+            "2years",
+            "database.connect_timeout",
+        ),
+        ("INBOX__RETENTION__DAYS", "4294967295", "retention.days"),
+        ("INBOX__RETENTION__INTERVAL", "0s", "retention.interval"),
+        (
+            "INBOX__FAILURE__IMMEDIATE_RETRIES",
+            "4294967295",
+            "failure.immediate_retries",
+        ),
+        ("INBOX__DATABASE__URL", "mysql://nope", "database.url"),
+        (
+            "INBOX__MESSAGE_BUS__AMQP_URL",
+            "http://nope",
+            "message_bus.amqp_url",
+        ),
+        (
+            "INBOX__RUNTIME__SHUTDOWN_TIMEOUT",
+            "0s",
+            "runtime.shutdown_timeout",
+        ),
+    ];
+    let dir = temp_dir(&[]);
+    for (var, value, key) in cases {
+        let err = Settings::load_layered(&dir, None, vars(&[(var, value)])).unwrap_err();
+        assert!(
+            err.to_string().contains(key),
+            "{var}={value}: `{err}` does not name `{key}`"
+        );
+    }
+}
+
+#[test]
+fn invalid_queues_name_their_entry() {
+    let long = "q".repeat(256);
+    let cases = [
+        ("[[queues]]\nname = \"\"\n".to_string(), "queues[0].name"),
+        (format!("[[queues]]\nname = \"{long}\"\n"), "queues[0].name"),
+        (
+            "[[queues]]\nname = \"a\"\n[[queues]]\nname = \"a\"\n".to_string(),
+            "queues[1].name",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nprefetch = 0\n".to_string(),
+            "queues[0].prefetch",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nconsumer = \"\"\n".to_string(),
+            "queues[0].consumer",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nkind = \"stream\"\n".to_string(),
+            "kind",
+        ),
+        ("[databse]\nurl = \"x\"\n".to_string(), "databse"),
+        (
+            "[[queues]]\nname = \"a\"\nbatch_size = 0\n".to_string(),
+            "queues[0].batch_size",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nprefetch = 8\nbatch_size = 9\n".to_string(),
+            "queues[0].batch_size",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nprefetch = 100\nbatch_size = 65\n".to_string(),
+            "queues[0].batch_size",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nbatch_size = 8\nconcurrent_batches = 3\n".to_string(),
+            "queues[0].concurrent_batches",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nconcurrent_batches = 0\n".to_string(),
+            "queues[0].concurrent_batches",
+        ),
+        (
+            "[[queues]]\nname = \"a\"\ndelivery_limit = 0\n".to_string(),
+            "queues[0].delivery_limit",
+        ),
+    ];
+    for (text, key) in cases {
+        let dir = temp_dir(&[("default.toml", &text)]);
+        let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
+        assert!(
+            err.to_string().contains(key),
+            "{text}: `{err}` does not name `{key}`"
+        );
+    }
+}
+
+#[test]
+fn retention_shorter_than_the_redelivery_path_names_both() {
+    let dir = temp_dir(&[(
+        "default.toml",
+        "[retention]\ndays = 2\n[failure]\ndelays = [\"1h\", \"2days\"]\n",
+    )]);
+    let err = Settings::load_layered(&dir, None, vars(&[]))
+        .unwrap_err()
+        .to_string();
+    for words in ["retention.days", "2 days", "failure.delays", "2days 1h"] {
+        assert!(err.contains(words), "`{err}` does not say `{words}`");
+    }
+    let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")])).unwrap();
+    assert_eq!(ok.failure.delays, [3600, 2 * 86400].map(Duration::from_secs));
+}
+
+#[test]
+fn the_failure_path_walks_the_tiers_then_the_error_queue() {
+    let failure = FailureSettings::default();
+    assert_eq!(failure.destination(0), Target::RetryTier(1));
+    assert_eq!(failure.destination(2), Target::RetryTier(3));
+    assert_eq!(failure.destination(3), Target::Exhausted);
+    assert_eq!(
+        (0..3).map(|r| failure.backoff(r)).collect::<Vec<_>>(),
+        [100, 200, 400].map(Duration::from_millis)
+    );
+    // 30s + 5m + 1h, plus 700 ms of backoff on each of four deliveries.
+    assert_eq!(
+        failure.longest_redelivery_path(),
+        Duration::from_millis(3_930_000 + 2_800)
+    );
+}
+
+#[test]
+fn the_settings_folder_is_inbox_config_dir_or_config() {
+    assert_eq!(config_dir(None), Path::new("config"));
+    assert_eq!(config_dir(Some("".into())), Path::new("config"));
+    assert_eq!(config_dir(Some("/etc/checkin".into())), Path::new("/etc/checkin"));
+}
+
+#[test]
+fn no_password_shows_in_debug_or_endpoints() {
+    let mut settings = Settings::default();
+    settings.message_bus.amqp_url = "amqp://app:s3cret-bus@broker.internal:5673/prod".into();
+    settings.database.url = "postgres://app:s3cret-db@db.internal:5433/orders?sslmode=disable".into();
+    let shown = format!(
+        "{settings:?} {} {}",
+        settings.broker_endpoint(),
+        settings.database_endpoint()
+    );
+    assert!(!shown.contains("s3cret"), "{shown}");
+    assert!(
+        shown.contains("amqp://app:***@broker.internal:5673/prod"),
+        "{shown}"
+    );
+    assert_eq!(settings.broker_endpoint(), "broker.internal:5673/prod");
+    assert_eq!(settings.database_endpoint(), "db.internal:5433/orders");
+    // A cluster: every node, none with its password.
+    settings.message_bus.amqp_urls = vec![
+        "amqp://app:s3cret-1@rabbit-1:5672/prod".into(),
+        "amqp://app:s3cret-2@rabbit-2:5672/prod".into(),
+    ];
+    settings.database.url =
+        "postgres://app:s3cret-db@db1:5432,db2:5433/orders?target_session_attrs=read-write".into();
+    let shown = format!("{settings:?} {}", settings.broker_endpoint());
+    assert!(!shown.contains("s3cret"), "{shown}");
+    assert_eq!(
+        settings.broker_endpoint(),
+        "rabbit-1:5672/prod,rabbit-2:5672/prod"
+    );
+    assert_eq!(settings.database_endpoint(), "db1:5432,db2:5433/orders");
+    assert_eq!(
+        redact("host=db user=app password=s3cret dbname=orders"),
+        "host=db user=app password=*** dbname=orders"
+    );
+    assert_eq!(
+        redact("postgres://db/orders?password=s3cret&x=1"),
+        "postgres://db/orders?password=***&x=1"
+    );
+    assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+}
+
+#[test]
+fn database_name_replaces_the_urls_database() {
+    let mut settings = Settings::default();
+    settings.database.name = Some("orders".into());
+    assert_eq!(settings.pg_config().unwrap().get_dbname(), Some("orders"));
+}
+
+#[test]
+fn lock_timeout_joins_the_urls_own_session_options() {
+    let mut settings = Settings::default();
+    settings.database.url = "postgres://u@h/db?options=-c%20search_path%3Dapp".into();
+    settings.database.lock_timeout = Duration::from_millis(1500);
+    let config = settings.pg_config().unwrap();
+    assert_eq!(
+        config.get_options(),
+        Some(
+            "-c search_path=app -c lock_timeout=1500 -c statement_timeout=60000 \
+             -c idle_in_transaction_session_timeout=60000"
+        )
+    );
+}
