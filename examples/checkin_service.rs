@@ -64,9 +64,9 @@ use std::time::Duration;
 
 use actix_web::{App, HttpResponse, HttpServer, web};
 use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
-use inbox::IntegrationEvent;
-use inbox::{EventHandler, HandlerError, UnitOfWork};
-use inbox_actors::{Monitor, Probe, Runtime, RuntimeBuilder};
+use inbox_actors::{
+    EventHandler, HandlerError, IntegrationEvent, Monitor, Probe, Runtime, RuntimeBuilder, UnitOfWork, Wire,
+};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tracing_subscriber::EnvFilter;
 
@@ -110,8 +110,8 @@ async fn run() -> common::Result<()> {
     // The queue for follow-ups before the first message is consumed.
     if let Some(queue) = &forward_to {
         let recorded = match wire {
-            inbox::Wire::Inbox => None,
-            inbox::Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
+            Wire::Inbox => None,
+            Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
         };
         declare_forward_queue(&settings, queue, recorded).await?;
     }
@@ -119,8 +119,8 @@ async fn run() -> common::Result<()> {
     let signal = inbox_actors::shutdown_signal()?;
     let builder = Runtime::builder(settings).migrations(common::SCHEMA);
     let runtime = match wire {
-        inbox::Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
-        inbox::Wire::Masstransit => {
+        Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
+        Wire::Masstransit => {
             with_handlers::<common::masstransit::AttendeeCheckedIn>(builder, forward_to.as_deref())
         }
     }
@@ -270,7 +270,7 @@ impl<E: CheckIn> EventHandler<E> for AbortOn {
 }
 
 /// Drops the service's database and deletes its queues (`--remove`).
-async fn remove(settings: &inbox::Settings) -> common::Result<()> {
+async fn remove(settings: &inbox_actors::Settings) -> common::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --remove").await?;
     let channel = connection.create_channel().await?;
     let wire = settings.message_bus.wire;
@@ -282,7 +282,7 @@ async fn remove(settings: &inbox::Settings) -> common::Result<()> {
                 .queue_delete(name.as_str().into(), Default::default())
                 .await?;
             println!("deleted queue {name} ({deleted} messages)");
-            if wire == inbox::Wire::Masstransit && !name.contains("_retry_") {
+            if wire == Wire::Masstransit && !name.contains("_retry_") {
                 // MassTransit's endpoints have an exchange of their name.
                 channel
                     .exchange_delete(name.as_str().into(), Default::default())
@@ -302,13 +302,13 @@ async fn remove(settings: &inbox::Settings) -> common::Result<()> {
 /// with MassTransit's wire, bound to the fanout exchange of their type
 /// `recorded`, as a MassTransit consumer of it would be.
 async fn declare_forward_queue(
-    settings: &inbox::Settings,
+    settings: &inbox_actors::Settings,
     queue: &str,
     recorded: Option<&str>,
 ) -> common::Result<()> {
     let connection = inbox::amqp::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
-    inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;
+    inbox::amqp::declare_queue(&channel, queue, inbox_actors::QueueKind::Quorum).await?;
     if let Some(exchange) = recorded {
         inbox::amqp::bind_to_fanout(&channel, queue, exchange).await?;
     }

@@ -14,7 +14,8 @@ mod common;
 use std::collections::HashSet;
 
 use common::{AttendeeCheckedIn, XorShift};
-use inbox::{AmqpPublisher, Message, amqp};
+use inbox::{AmqpPublisher, amqp};
+use inbox_actors::Message;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {

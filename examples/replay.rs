@@ -20,7 +20,7 @@ mod common;
 use std::collections::HashSet;
 
 use inbox::amqp::{self, SetAside};
-use inbox::uuid::Uuid;
+use inbox_actors::uuid::Uuid;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {

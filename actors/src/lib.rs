@@ -55,13 +55,43 @@ mod runtime;
 mod settle;
 mod stats;
 
-pub use dedup::{DedupActor, Deliver, DeliverBatch};
+// What a service uses, at one root: the runtime and what it hands out,
+// then the core's handler, message, unit of work, settings and error.
 pub use health::{Health, Probe};
-pub use inbox::{Abandoned, Outcome};
 pub use monitor::Monitor;
 pub use publisher::Publisher;
-pub use retention::{RetentionActor, Sweep};
 pub use runtime::{Runtime, RuntimeBuilder, shutdown_signal};
-pub use stats::{Stats, StatsSnapshot, latency_bound};
+pub use stats::StatsSnapshot;
+
+/// The PostgreSQL client a handler writes through ([`UnitOfWork::client`]).
+pub use inbox::tokio_postgres;
+/// Message ids ([`Message::id`]).
+pub use inbox::uuid;
+pub use inbox::{
+    Error, ErrorKind, EventHandler, HandlerError, IntegrationEvent, Message, MessageContext, Migration,
+    Nested, Permanent, Provider, QueueKind, QueueSettings, Result, Settings, UnitOfWork, ValidSettings, Wire,
+};
+
+/// Every section of [`Settings`], for settings built in code.
+pub mod settings {
+    pub use inbox::{
+        DatabaseSettings, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
+        QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings, Wire,
+    };
+}
+
+/// Where processed message ids are recorded: PostgreSQL (the default), none,
+/// or a store of your own ([`RuntimeBuilder::inbox_store`]).
+pub mod store {
+    pub use inbox::{Claim, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
+}
+
+// Feeding the inbox from a source of one's own, sweeping on demand, and
+// the core crate itself: for the tests and tools of this repository.
+// Issue 23 moves them behind an internal module.
+pub use dedup::{DedupActor, Deliver, DeliverBatch};
+pub use inbox::{Abandoned, Outcome};
+pub use retention::{RetentionActor, Sweep};
+pub use stats::{Stats, latency_bound};
 
 pub use inbox;

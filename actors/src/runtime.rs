@@ -319,8 +319,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// [`shutdown`](Self::shutdown) when the service ends it itself.
 ///
 /// ```no_run
-/// use inbox::{EventHandler, HandlerError, IntegrationEvent, Settings, UnitOfWork};
-/// use inbox_actors::Runtime;
+/// use inbox_actors::{EventHandler, HandlerError, IntegrationEvent, Runtime, Settings, UnitOfWork};
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct OrderPlaced { order_id: i64 }
@@ -339,7 +338,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// }
 ///
 /// #[actix::main]
-/// async fn main() -> inbox::Result<()> {
+/// async fn main() -> inbox_actors::Result<()> {
 ///     let settings = Settings::load()?;
 ///     let signal = inbox_actors::shutdown_signal()?;
 ///     let runtime = Runtime::builder(settings).handler(RecordOrder).start().await?;

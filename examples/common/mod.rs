@@ -4,14 +4,14 @@
 // Each example compiles this module on its own and uses part of it.
 #![allow(dead_code)]
 
-use inbox::tokio_postgres::types::ToSql;
-use inbox::{
+use inbox_actors::tokio_postgres::types::ToSql;
+use inbox_actors::{
     EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
 };
 use serde::{Deserialize, Serialize};
 
 /// The examples' own failures, and the library's, as one boxed error: a
-/// service has errors of its own beside [`inbox::Error`].
+/// service has errors of its own beside [`inbox_actors::Error`].
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `Result` over [`BoxError`] (a handler's is `Result<(), HandlerError>`).
@@ -67,7 +67,7 @@ pub(crate) trait CheckIn: IntegrationEvent {
     fn attendee_id(&self) -> i64;
     fn session_id(&self) -> i64;
     /// Its follow-up, for the message `source_message_id`.
-    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> Self::Recorded;
+    fn recorded(&self, source_message_id: inbox_actors::uuid::Uuid) -> Self::Recorded;
 }
 
 impl CheckIn for AttendeeCheckedIn {
@@ -78,7 +78,7 @@ impl CheckIn for AttendeeCheckedIn {
     fn session_id(&self) -> i64 {
         self.session_id
     }
-    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+    fn recorded(&self, source_message_id: inbox_actors::uuid::Uuid) -> CheckinRecorded {
         CheckinRecorded {
             attendee_id: self.attendee_id,
             session_id: self.session_id,
@@ -100,7 +100,7 @@ pub(crate) mod masstransit {
         pub(crate) session_id: i64,
     }
 
-    impl inbox::IntegrationEvent for AttendeeCheckedIn {
+    impl inbox_actors::IntegrationEvent for AttendeeCheckedIn {
         const TYPE: &'static str = "Conference.Contracts:AttendeeCheckedIn";
     }
 
@@ -110,10 +110,10 @@ pub(crate) mod masstransit {
     pub(crate) struct CheckinRecorded {
         pub(crate) attendee_id: i64,
         pub(crate) session_id: i64,
-        pub(crate) source_message_id: inbox::uuid::Uuid,
+        pub(crate) source_message_id: inbox_actors::uuid::Uuid,
     }
 
-    impl inbox::IntegrationEvent for CheckinRecorded {
+    impl inbox_actors::IntegrationEvent for CheckinRecorded {
         const TYPE: &'static str = "Conference.Contracts:CheckinRecorded";
     }
 
@@ -125,7 +125,7 @@ pub(crate) mod masstransit {
         fn session_id(&self) -> i64 {
             self.session_id
         }
-        fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+        fn recorded(&self, source_message_id: inbox_actors::uuid::Uuid) -> CheckinRecorded {
             CheckinRecorded {
                 attendee_id: self.attendee_id,
                 session_id: self.session_id,
@@ -176,7 +176,7 @@ pub(crate) struct CheckinRecorded {
     pub(crate) attendee_id: i64,
     pub(crate) session_id: i64,
     /// The `AttendeeCheckedIn`'s message_id.
-    pub(crate) source_message_id: inbox::uuid::Uuid,
+    pub(crate) source_message_id: inbox_actors::uuid::Uuid,
 }
 
 impl IntegrationEvent for CheckinRecorded {
@@ -194,7 +194,7 @@ pub(crate) struct ForwardCheckins {
 impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
     async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         let source = uow.context().ok_or("no message context")?.message_id;
-        uow.publish(&self.queue, &inbox::Message::new(event.recorded(source)))
+        uow.publish(&self.queue, &inbox_actors::Message::new(event.recorded(source)))
             .await?;
         Ok(())
     }
@@ -202,7 +202,7 @@ impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
     async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         let sources = uow.contexts().to_vec();
         for (event, source) in events.iter().zip(&sources) {
-            let recorded = inbox::Message::new(event.recorded(source.message_id));
+            let recorded = inbox_actors::Message::new(event.recorded(source.message_id));
             uow.publish_caused_by(source, &self.queue, &recorded).await?;
         }
         Ok(())
@@ -227,7 +227,7 @@ impl<E: CheckIn> EventHandler<E> for CountAttendance {
 /// them at start under the inbox's advisory lock
 /// (`RuntimeBuilder::migrations`), so that two replicas starting together
 /// on a fresh database take turns instead of racing.
-pub(crate) const SCHEMA: &[inbox::Migration] = &[inbox::Migration::new(
+pub(crate) const SCHEMA: &[inbox_actors::Migration] = &[inbox_actors::Migration::new(
     1,
     "checkin_tables",
     // IF NOT EXISTS for databases made before this migration existed,
@@ -287,8 +287,8 @@ pub(crate) async fn create_database(settings: &Settings, name: &str) -> Result<(
         match created {
             Err(e)
                 if e.code().is_some_and(|code| {
-                    *code == inbox::tokio_postgres::error::SqlState::DUPLICATE_DATABASE
-                        || *code == inbox::tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                    *code == inbox_actors::tokio_postgres::error::SqlState::DUPLICATE_DATABASE
+                        || *code == inbox_actors::tokio_postgres::error::SqlState::UNIQUE_VIOLATION
                 }) => {}
             other => other?,
         }
@@ -343,8 +343,8 @@ pub(crate) fn settings() -> Result<ValidSettings> {
         }
         settings.apply_conventional_urls();
         match arg("--wire").as_deref() {
-            Some("masstransit") => settings.message_bus.wire = inbox::Wire::Masstransit,
-            Some("inbox") => settings.message_bus.wire = inbox::Wire::Inbox,
+            Some("masstransit") => settings.message_bus.wire = inbox_actors::Wire::Masstransit,
+            Some("inbox") => settings.message_bus.wire = inbox_actors::Wire::Inbox,
             Some(other) => {
                 eprintln!("--wire takes inbox or masstransit, not `{other}`");
                 std::process::exit(2);
