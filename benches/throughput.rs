@@ -71,7 +71,7 @@
 //! the neighbours than the code. Latency is from a delivery's arrival to its
 //! ack; every scenario reports its quantiles as the runtime's stats do, as
 //! the upper bound of a histogram bucket a quarter of an octave wide
-//! ([`inbox_actors::latency_bound`]), so that the loops timed here and the
+//! ([`inbox_actors::internal::latency_bound`]), so that the loops timed here and the
 //! runtime are read on one scale.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
@@ -588,7 +588,9 @@ impl Latencies {
         // flatter the hand-written loop by up to a quarter.
         let at = |q: f64| {
             let rank = ((all.len() as f64 * q).ceil() as usize).clamp(1, all.len().max(1));
-            all.get(rank - 1).copied().map(inbox_actors::latency_bound)
+            all.get(rank - 1)
+                .copied()
+                .map(inbox_actors::internal::latency_bound)
         };
         (at(0.5).unwrap_or_default(), at(0.99).unwrap_or_default())
     }

@@ -9,16 +9,15 @@
 //! [`Monitor`] (health and stats).
 //!
 //! The actors, one file each, with the messages they take:
-//! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends [`Deliver`]
-//!   (or [`DeliverBatch`]) to the dedup actor, and carries out what
-//!   [`inbox::decide`] makes of each [`Outcome`] (`settle.rs`): ack, hold,
+//! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends `Deliver`
+//!   (or `DeliverBatch`) to the dedup actor, and carries out what the
+//!   failure policy (`inbox::decide`) makes of each `Outcome` (`settle.rs`): ack, hold,
 //!   retry, or move to a retry tier, `Q.error` or `Q.skipped`. Takes
 //!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
-//! - [`DedupActor`] (`dedup.rs`): owns the pool; claims the message in the
+//! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
 //!   inbox, sends `Handle` (or `HandleBatch`) to the event type's handler
 //!   actor, commits or rolls back on its `Handled` reply, replies the
-//!   [`Outcome`]. Send it [`Deliver`] to feed the inbox from a source of
-//!   your own.
+//!   `Outcome`.
 //! - `HandlerActor<E>` (`handler.rs`): the handlers of one event type; a
 //!   panic fails the message, and the actor restarts (`Restart`), building
 //!   anew the handlers registered with
@@ -86,12 +85,17 @@ pub mod store {
     pub use inbox::{Claim, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 }
 
-// Feeding the inbox from a source of one's own, sweeping on demand, and
-// the core crate itself: for the tests and tools of this repository.
-// Issue 23 moves them behind an internal module.
-pub use dedup::{DedupActor, Deliver, DeliverBatch};
-pub use inbox::{Abandoned, Outcome};
+/// Sweeping inbox rows now, rather than at the next `retention.interval`:
+/// send [`Sweep`] to [`Runtime::retention`].
 pub use retention::{RetentionActor, Sweep};
-pub use stats::{Stats, latency_bound};
 
-pub use inbox;
+/// The engine's parts this repository's tests and tools reach into
+/// (feeding the dedup actor directly, the live counters, the core crate):
+/// not part of the API, and under no semver promise.
+#[doc(hidden)]
+pub mod internal {
+    pub use crate::dedup::{DedupActor, Deliver, DeliverBatch};
+    pub use crate::stats::{Stats, latency_bound};
+    pub use inbox;
+    pub use inbox::{Abandoned, Outcome};
+}

@@ -513,8 +513,8 @@ impl Runtime {
         &self.pool
     }
 
-    /// The dedup actor: send it [`Deliver`](crate::Deliver) to feed the
-    /// inbox from a source of your own.
+    /// The dedup actor, for this repository's tests (see [`internal`](crate::internal)).
+    #[doc(hidden)]
     pub fn dedup(&self) -> &Addr<DedupActor> {
         &self.dedup
     }

@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use inbox::lapin::options::{BasicGetOptions, BasicQosOptions};
 use inbox::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settings, UnitOfWork};
-use inbox_actors::{DeliverBatch, Outcome, Runtime};
+use inbox_actors::Runtime;
+use inbox_actors::internal::{DeliverBatch, Outcome};
 
 use crate::hosting::HandWrittenStore;
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, increment, wait_until};

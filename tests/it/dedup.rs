@@ -2,7 +2,8 @@ use std::collections::HashMap;
 
 use inbox::lapin::options::BasicGetOptions;
 use inbox::{Envelope, Message};
-use inbox_actors::{Deliver, Outcome, Runtime};
+use inbox_actors::Runtime;
+use inbox_actors::internal::{Deliver, Outcome};
 
 use crate::support::{Count, CountAgain, Counted, TestEnv, Valid, amqp, wait_until};
 
