@@ -88,13 +88,13 @@ use std::time::{Duration, Instant};
 use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
 use common::{BoxError as Error, Result};
 use futures_util::StreamExt;
-use inbox::deadpool_postgres::Pool;
-use inbox::lapin::options::{
+use inbox::internal::deadpool_postgres::Pool;
+use inbox::internal::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
-use inbox::lapin::types::FieldTable;
-use inbox::lapin::{BasicProperties, Channel, Connection, Consumer};
-use inbox::{Message, QueueSettings, Settings, amqp};
+use inbox::internal::lapin::types::FieldTable;
+use inbox::internal::lapin::{BasicProperties, Channel, Connection, Consumer};
+use inbox::internal::{Message, QueueSettings, Settings, amqp};
 use inbox_actors::Runtime;
 use tokio::sync::Mutex;
 
@@ -240,9 +240,9 @@ async fn run() -> Result<()> {
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::create_pool(&settings)?;
+    let pool = inbox::internal::create_pool(&settings)?;
     common::create_tables(&pool).await?;
-    inbox::run_migrations(&mut *pool.get().await?).await?;
+    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     // `handwritten_forward`'s outbox: the runtime's table without its
     // NOTIFY trigger, as one would write it by hand.
     pool.get()
@@ -713,7 +713,7 @@ struct ForwardByHand {
 async fn process_by_hand(
     pool: &Pool,
     consumer: &str,
-    delivery: &inbox::lapin::message::Delivery,
+    delivery: &inbox::internal::lapin::message::Delivery,
     forward: Option<&ForwardByHand>,
 ) -> Result<()> {
     let id = delivery
@@ -901,7 +901,7 @@ impl Forwarded {
         channel
             .queue_declare(
                 queue.as_str().into(),
-                inbox::lapin::options::QueueDeclareOptions::default(),
+                inbox::internal::lapin::options::QueueDeclareOptions::default(),
                 FieldTable::default(),
             )
             .await?;
@@ -1028,8 +1028,8 @@ async fn outbox(rows: usize) -> Result<()> {
     settings.database.name = Some(DATABASE.into());
     settings.queues.clear();
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::create_pool(&settings)?;
-    inbox::run_migrations(&mut *pool.get().await?).await?;
+    let pool = inbox::internal::create_pool(&settings)?;
+    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     let connection = amqp::connect(&settings, "inbox throughput outbox").await?;
     let channel = connection.create_channel().await?;
     let target = format!("throughput.outbox.{}", uuid::Uuid::now_v7());
@@ -1044,13 +1044,13 @@ async fn outbox(rows: usize) -> Result<()> {
     .map_err(|e| Error::from(e.to_string()))?;
 
     // Raw confirmed publishing of the same messages.
-    let publisher = inbox::AmqpPublisher::new(&connection, "").await?;
+    let publisher = inbox::internal::AmqpPublisher::new(&connection, "").await?;
     let (publisher, target_name) = (&publisher, target.as_str());
     let started = Instant::now();
     for chunk in 0..rows.div_ceil(batch) {
         // The very messages the outbox sends: persistent, typed, JSON.
         let sends = (0..batch.min(rows - chunk * batch)).map(|_| {
-            let outgoing = inbox::Outgoing {
+            let outgoing = inbox::internal::Outgoing {
                 message_id: uuid::Uuid::now_v7(),
                 exchange: String::new(),
                 routing_key: target_name.to_owned(),

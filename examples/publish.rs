@@ -14,7 +14,7 @@ mod common;
 use std::collections::HashSet;
 
 use common::{AttendeeCheckedIn, XorShift};
-use inbox::{AmqpPublisher, amqp};
+use inbox::internal::{AmqpPublisher, amqp};
 use inbox_actors::Message;
 
 #[tokio::main(flavor = "current_thread")]

@@ -19,7 +19,7 @@ mod common;
 
 use std::collections::HashSet;
 
-use inbox::amqp::{self, SetAside};
+use inbox::internal::amqp::{self, SetAside};
 use inbox_actors::uuid::Uuid;
 
 #[tokio::main(flavor = "current_thread")]
@@ -49,9 +49,9 @@ async fn run() -> common::Result<()> {
         None | Some("error") => SetAside::Error,
         Some("skipped") => SetAside::Skipped,
         Some("outbox") => {
-            let pool = inbox::create_pool(&settings)?;
+            let pool = inbox::internal::create_pool(&settings)?;
             let only = (!only.is_empty()).then_some(&only);
-            let revived = inbox::outbox::retry_dead(&pool, only).await?;
+            let revived = inbox::internal::outbox::retry_dead(&pool, only).await?;
             println!("from=outbox revived={revived}");
             return Ok(());
         }

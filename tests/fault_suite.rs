@@ -57,10 +57,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{AttendeeCheckedIn, XorShift};
 use common::{BoxError as Error, Result};
-use inbox::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
-use inbox::lapin::types::FieldTable;
-use inbox::lapin::{BasicProperties, Connection};
-use inbox::{AmqpPublisher, Message, QueueSettings, Settings, Wire, amqp};
+use inbox::internal::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use inbox::internal::lapin::types::FieldTable;
+use inbox::internal::lapin::{BasicProperties, Connection};
+use inbox::internal::{AmqpPublisher, Message, QueueSettings, Settings, Wire, amqp};
 
 const DATABASE: &str = "inbox_faults";
 const EVENTS: usize = 5000;
@@ -360,7 +360,7 @@ impl Suite {
         let _ = connection.close(200, "done".into()).await;
         sh("rabbitmqctl -q set_vm_memory_high_watermark 0.000001")?;
         self.say("raised a memory alarm");
-        let pool = inbox::create_pool(&self.settings)?;
+        let pool = inbox::internal::create_pool(&self.settings)?;
         pool.get()
             .await?
             .execute(
@@ -659,7 +659,7 @@ fn forward_queue(queue: &str) -> String {
 
 /// Rows the service's outbox still has to publish.
 async fn pending_forwards(settings: &Settings) -> Result<i64> {
-    let pool = inbox::create_pool(settings)?;
+    let pool = inbox::internal::create_pool(settings)?;
     let count = pool
         .get()
         .await?
@@ -735,13 +735,16 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
 
 /// The check-in a forward was staged for: its `sourceMessageId`, read in
 /// `wire`'s format.
-fn forwarded_source(wire: Wire, delivery: &inbox::lapin::message::Delivery) -> Option<inbox::uuid::Uuid> {
+fn forwarded_source(
+    wire: Wire,
+    delivery: &inbox::internal::lapin::message::Delivery,
+) -> Option<inbox::uuid::Uuid> {
     match wire {
         Wire::Inbox => serde_json::from_slice::<common::CheckinRecorded>(&delivery.data)
             .ok()
             .map(|recorded| recorded.source_message_id),
         Wire::Masstransit => {
-            let decoded = inbox::masstransit::decode(&delivery.properties, &delivery.data).ok()?;
+            let decoded = inbox::internal::masstransit::decode(&delivery.properties, &delivery.data).ok()?;
             let is_recorded = decoded.message_types.first().map(String::as_str)
                 == Some(<common::masstransit::CheckinRecorded as inbox::IntegrationEvent>::TYPE);
             let recorded: common::masstransit::CheckinRecorded =
@@ -794,7 +797,7 @@ async fn ready(settings: &Settings, queue: &str) -> Result<u32> {
 }
 
 /// `queue` as the broker sees it (a passive declare).
-async fn probe(settings: &Settings, queue: &str) -> Result<inbox::lapin::Queue> {
+async fn probe(settings: &Settings, queue: &str) -> Result<inbox::internal::lapin::Queue> {
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
@@ -957,15 +960,17 @@ fn malformed_envelope(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
     };
     let checked_in = r#""urn:message:Conference.Contracts:AttendeeCheckedIn""#;
     let good = r#"{"attendeeId": 1, "sessionId": 1}"#;
-    let properties = inbox::masstransit::properties(id);
+    let properties = inbox::internal::masstransit::properties(id);
     match kind {
         0 => (
-            BasicProperties::default().with_content_type(inbox::masstransit::ENVELOPE_CONTENT_TYPE.into()),
+            BasicProperties::default()
+                .with_content_type(inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into()),
             format!(r#"{{"messageType": [{checked_in}], "message": {good}, "marker": "{marker}"}}"#)
                 .into_bytes(),
         ),
         1 => (
-            BasicProperties::default().with_content_type(inbox::masstransit::ENVELOPE_CONTENT_TYPE.into()),
+            BasicProperties::default()
+                .with_content_type(inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into()),
             envelope("not-a-guid", checked_in, good),
         ),
         2 => (properties, envelope(&id.to_string(), "", good)),
@@ -1038,7 +1043,7 @@ async fn check(
     poison: inbox::uuid::Uuid,
     ok_exit: bool,
 ) -> Result<bool> {
-    let pool = inbox::create_pool(&suite.settings)?;
+    let pool = inbox::internal::create_pool(&suite.settings)?;
     let db = pool.get().await?;
     let inbox_ids: HashSet<inbox::uuid::Uuid> = db
         .query(
@@ -1219,7 +1224,7 @@ async fn check(
 
 /// The reason of the newest `x-death` entry the broker stamped.
 fn death_reason(properties: &BasicProperties) -> Option<String> {
-    use inbox::lapin::types::AMQPValue;
+    use inbox::internal::lapin::types::AMQPValue;
     let AMQPValue::FieldArray(deaths) = properties.headers().as_ref()?.inner().get("x-death")? else {
         return None;
     };

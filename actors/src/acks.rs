@@ -37,10 +37,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use inbox::lapin;
-use inbox::lapin::Acker;
-use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicAckOptions, BasicNackOptions};
+use inbox::internal::lapin;
+use inbox::internal::lapin::Acker;
+use inbox::internal::lapin::message::Delivery;
+use inbox::internal::lapin::options::{BasicAckOptions, BasicNackOptions};
 use tokio::sync::oneshot;
 
 /// The longest a done delivery's ack waits for the deliveries before it to

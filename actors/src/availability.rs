@@ -17,9 +17,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inbox::deadpool_postgres::{Object, Pool};
+use inbox::internal::deadpool_postgres::{Object, Pool};
+use inbox::internal::{Backoff, Settings};
 use inbox::tokio_postgres::SimpleQueryMessage;
-use inbox::{Backoff, Settings};
 use tokio::sync::Mutex;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use inbox::{Abandoned, Claim, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
+use inbox::internal::{Abandoned, Claim, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 
 use crate::dedup::{DeliverBatch, Route, Work, give_up, key};

@@ -24,7 +24,7 @@
 //! (meanwhile, more deliveries arrive to fill it), and at most
 //! `prefetch / batch_size` batches are in flight at once.
 //!
-//! A move publishes the copy, with its [fault headers](inbox::fault), and
+//! A move publishes the copy, with its [fault headers](inbox::internal::fault), and
 //! waits for the broker's confirm before acking the original: a crash in
 //! between leaves a duplicate for the inbox to skip, never a loss.
 //! Receives [`Drain`] at shutdown: stops consuming, waits for the
@@ -51,10 +51,10 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use futures_util::future::ready;
 use futures_util::stream::{self, Stream, StreamExt};
-use inbox::lapin::message::Delivery;
-use inbox::lapin::options::BasicCancelOptions;
-use inbox::lapin::types::ShortString;
-use inbox::lapin::{Channel, Connection, Consumer};
+use inbox::internal::lapin::message::Delivery;
+use inbox::internal::lapin::options::BasicCancelOptions;
+use inbox::internal::lapin::types::ShortString;
+use inbox::internal::lapin::{Channel, Connection, Consumer};
 use inbox::{QueueSettings, Settings};
 use tokio::sync::oneshot;
 
@@ -132,7 +132,7 @@ struct Consumed {
     link: u64,
     /// `None` marks the end of the stream: the consumer was cancelled, by
     /// the runtime at shutdown or by the broker.
-    delivery: Option<inbox::lapin::Result<Delivery>>,
+    delivery: Option<inbox::internal::lapin::Result<Delivery>>,
 }
 
 /// `stream` with each item tagged with `link`, and an end marker.

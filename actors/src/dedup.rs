@@ -27,8 +27,10 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures_util::FutureExt;
-use inbox::deadpool_postgres::Pool;
-use inbox::{Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outbox, Outcome, Stage, UnitOfWork};
+use inbox::internal::deadpool_postgres::Pool;
+use inbox::internal::{
+    Abandoned, Claim, DynInboxStore, Envelope, InboxKey, Outbox, Outcome, Stage, UnitOfWork,
+};
 use metrics::Histogram;
 use tokio::sync::Semaphore;
 use tracing::Instrument;

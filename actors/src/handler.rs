@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
-use inbox::{DynEventHandler, Envelope, IntegrationEvent, MessageContext, Permanent, UnitOfWork};
+use inbox::internal::{DynEventHandler, Envelope, IntegrationEvent, MessageContext, Permanent, UnitOfWork};
 use metrics::Histogram;
 use tracing::Instrument;
 
@@ -342,7 +342,7 @@ async fn run_handlers<E: IntegrationEvent>(
         match AssertUnwindSafe(handled).catch_unwind().await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                let text = cut_to_reason(inbox::describe(error.as_ref()));
+                let text = cut_to_reason(inbox::internal::describe(error.as_ref()));
                 let failure = if Permanent::is_in(error.as_ref()) {
                     HandlerFailure::Permanent {
                         handler: name,
@@ -399,7 +399,7 @@ impl Drop for HandlerTimer {
 /// An error's text cut to what a log line and a header can carry: it may
 /// quote the whole message (serde quotes the offending string).
 fn cut_to_reason(text: String) -> String {
-    match inbox::fault::truncate(&text, inbox::fault::MAX_REASON_BYTES) {
+    match inbox::internal::fault::truncate(&text, inbox::internal::fault::MAX_REASON_BYTES) {
         std::borrow::Cow::Borrowed(_) => text,
         cut => cut.into_owned(),
     }

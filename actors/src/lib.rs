@@ -11,7 +11,7 @@
 //! The actors, one file each, with the messages they take:
 //! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends `Deliver`
 //!   (or `DeliverBatch`) to the dedup actor, and carries out what the
-//!   failure policy (`inbox::decide`) makes of each `Outcome` (`settle.rs`): ack, hold,
+//!   failure policy (`inbox::internal::decide`) makes of each `Outcome` (`settle.rs`): ack, hold,
 //!   retry, or move to a retry tier, `Q.error` or `Q.skipped`. Takes
 //!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
 //! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
@@ -73,7 +73,7 @@ pub use inbox::{
 
 /// Every section of [`Settings`], for settings built in code.
 pub mod settings {
-    pub use inbox::{
+    pub use inbox::settings::{
         DatabaseSettings, FailureSettings, MessageBusSettings, OutboxSettings, Provider, QueueKind,
         QueueSettings, RetentionSettings, RuntimeSettings, Settings, ValidSettings, Wire,
     };
@@ -82,7 +82,7 @@ pub mod settings {
 /// Where processed message ids are recorded: PostgreSQL (the default), none,
 /// or a store of your own ([`RuntimeBuilder::inbox_store`]).
 pub mod store {
-    pub use inbox::{Claim, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
+    pub use inbox::store::{Claim, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 }
 
 /// Sweeping inbox rows now, rather than at the next `retention.interval`:
@@ -97,5 +97,5 @@ pub mod internal {
     pub use crate::dedup::{DedupActor, Deliver, DeliverBatch};
     pub use crate::stats::{Stats, latency_bound};
     pub use inbox;
-    pub use inbox::{Abandoned, Outcome};
+    pub use inbox::internal::{Abandoned, Outcome};
 }

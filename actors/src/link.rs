@@ -3,10 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox::lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use inbox::lapin::types::FieldTable;
-use inbox::lapin::{Channel, Connection, Consumer};
-use inbox::{AmqpPublisher, Backoff, QueueSettings, Settings, amqp};
+use inbox::internal::lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use inbox::internal::lapin::types::FieldTable;
+use inbox::internal::lapin::{Channel, Connection, Consumer};
+use inbox::internal::{AmqpPublisher, Backoff, QueueSettings, Settings, amqp};
 
 use crate::handler::HandledTypes;
 

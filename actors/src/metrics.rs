@@ -182,7 +182,7 @@ pub(crate) fn outbox_dispatched(rows: usize) {
     counter!(OUTBOX_DISPATCHED_TOTAL).increment(u64::try_from(rows).unwrap_or(u64::MAX));
 }
 
-pub(crate) fn outbox_backlog(backlog: &inbox::outbox::Backlog) {
+pub(crate) fn outbox_backlog(backlog: &inbox::internal::outbox::Backlog) {
     gauge!(OUTBOX_PENDING).set(backlog.pending as f64);
     gauge!(OUTBOX_OLDEST_PENDING).set(backlog.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
     gauge!(OUTBOX_DEAD).set(backlog.dead as f64);

@@ -2,7 +2,7 @@
 //!
 //! Owns where the rows go: over a broker, a connection of its own; in
 //! process, the handlers (a [`Publisher`] either way). Drains the outbox
-//! ([`inbox::drain`]: rounds of [`inbox::dispatch`], pipelined): at once when a commit that staged messages
+//! ([`inbox::internal::drain`]: rounds of [`inbox::internal::dispatch`], pipelined): at once when a commit that staged messages
 //! wakes it (through the [`Outbox`]'s `Notify`, so the latency is that of
 //! one publish), when PostgreSQL notifies that another process committed
 //! rows (`LISTEN inbox_outbox`), and every
@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use futures_util::FutureExt;
-use inbox::deadpool_postgres::Pool;
-use inbox::{Outbox, OutboxSettings};
+use inbox::internal::deadpool_postgres::Pool;
+use inbox::internal::{Outbox, OutboxSettings};
 use tokio::sync::watch;
 
 use crate::publisher::Publisher;
@@ -94,7 +94,7 @@ impl OutboxActor {
     /// Wakes the dispatcher when another process commits rows (LISTEN/NOTIFY).
     fn listening(&self, config: inbox::tokio_postgres::Config) -> impl Future<Output = ()> + 'static {
         let wake = Arc::clone(&self.outbox.wake);
-        inbox::outbox::listen(config, move || wake.notify_one(), self.stopped())
+        inbox::internal::outbox::listen(config, move || wake.notify_one(), self.stopped())
     }
 
     /// Samples the backlog, for the stats and metrics, every poll interval
@@ -108,7 +108,7 @@ impl OutboxActor {
         let mut stop = self.stop.subscribe();
         async move {
             while !*stop.borrow() {
-                match inbox::outbox::backlog(&pool).await {
+                match inbox::internal::outbox::backlog(&pool).await {
                     Ok(backlog) => stats.record_backlog(&backlog),
                     Err(e) => tracing::debug!(error = %e, "cannot count the outbox's backlog"),
                 }
@@ -138,7 +138,7 @@ impl OutboxActor {
                 // A round that found the broker away ends the drain: the
                 // next waits for a wake or the poll.
                 let mut unsent = 0;
-                let drained = inbox::drain(&pool, &sink, &settings, |report| {
+                let drained = inbox::internal::drain(&pool, &sink, &settings, |report| {
                     stats.record_dispatch(report);
                     unsent += report.unsent;
                     !*stop.borrow() && report.unsent == 0

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use actix::Recipient;
 use futures_util::future::BoxFuture;
-use inbox::{
+use inbox::internal::{
     AmqpPublisher, Envelope, Error, ErrorKind, IntegrationEvent, Message, Outcome, Outgoing, Result, Sink,
 };
 

@@ -1,7 +1,7 @@
 //! [`RetentionActor`]: keeps `inbox_messages` from growing forever.
 //!
 //! Owns a handle on the pool and the `[retention]` settings. Every
-//! `retention.interval` it runs an [`inbox::sweep`] (one at a time in this
+//! `retention.interval` it runs an [`inbox::internal::sweep`] (one at a time in this
 //! instance; across instances the sweep's advisory lock lets one per
 //! database go, the others skip the round). Receives [`Sweep`] to sweep now,
 //! replying with the [`SweepReport`], and [`StopSweeping`]
@@ -11,8 +11,8 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
-use inbox::deadpool_postgres::Pool;
-use inbox::{RetentionSettings, SweepReport};
+use inbox::internal::deadpool_postgres::Pool;
+use inbox::internal::{RetentionSettings, SweepReport};
 
 use crate::stats::Stats;
 
@@ -50,7 +50,7 @@ impl RetentionActor {
     fn sweep(&mut self) -> impl ActorFuture<Self, Output = inbox::Result<SweepReport>> + 'static {
         self.sweeping = true;
         let (pool, settings) = (self.pool.clone(), self.settings.clone());
-        async move { inbox::sweep(&pool, &settings).await }
+        async move { inbox::internal::sweep(&pool, &settings).await }
             .into_actor(self)
             .map(|result, actor, _| {
                 actor.sweeping = false;

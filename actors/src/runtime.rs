@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::prelude::*;
 use futures_util::future::join_all;
-use inbox::deadpool_postgres::Pool;
-use inbox::{
+use inbox::internal::deadpool_postgres::Pool;
+use inbox::internal::{
     DynEventHandler, DynInboxStore, Error, ErrorKind, EventHandler, InboxStore, IntegrationEvent, Migration,
     NoopInboxStore, Outbox, PgInboxStore, Provider, Result, Settings, UnitOfWork, ValidSettings,
 };
@@ -274,12 +274,12 @@ async fn prepare_database(settings: &Settings, migrations: &[Migration]) -> Resu
     // With the outbox on, this process dispatches it and wakes its
     // dispatcher itself: its commits need not notify others.
     let pool = match settings.is_outbox_enabled() {
-        true => inbox::create_dispatching_pool(settings)?,
-        false => inbox::create_pool(settings)?,
+        true => inbox::internal::create_dispatching_pool(settings)?,
+        false => inbox::internal::create_pool(settings)?,
     };
-    let mut connection = inbox::wait_for_database(&pool, settings).await?;
+    let mut connection = inbox::internal::wait_for_database(&pool, settings).await?;
     if settings.database.run_migrations || !migrations.is_empty() {
-        inbox::migrate(&mut connection, settings.database.run_migrations, migrations).await?;
+        inbox::internal::migrate(&mut connection, settings.database.run_migrations, migrations).await?;
     }
     Ok(pool)
 }
@@ -287,7 +287,7 @@ async fn prepare_database(settings: &Settings, migrations: &[Migration]) -> Resu
 /// Where units of work stage what they publish: rows the dispatcher sends
 /// once committed or, with the outbox off, messages handed over after the
 /// commit, through the receiver returned beside it.
-fn outbox_of(settings: &Settings) -> (Outbox, Option<UnboundedReceiver<inbox::Outgoing>>) {
+fn outbox_of(settings: &Settings) -> (Outbox, Option<UnboundedReceiver<inbox::internal::Outgoing>>) {
     let (after_commit, handed_over) = match settings.is_outbox_enabled() {
         true => (None, None),
         false => {
@@ -393,18 +393,19 @@ impl Runtime {
     async fn connect_broker(mut self) -> std::result::Result<Self, (Self, Error)> {
         let declared = async {
             // Publishing has a connection of its own; each queue has another.
-            let publisher = inbox::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
+            let publisher =
+                inbox::internal::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
             publisher.declare_exchange().await?;
             let channel = publisher.open_channel().await?;
             let types = self.handled.names();
             for queue in &self.settings.queues {
                 let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
-                inbox::amqp::declare_wire_topology(&channel, queue, failure, wire, &types).await?;
+                inbox::internal::amqp::declare_wire_topology(&channel, queue, failure, wire, &types).await?;
             }
             let _ = channel.close(200, "declared".into()).await;
             // The outbox dispatches over a connection of its own.
             let dispatching = match self.settings.is_outbox_enabled() {
-                true => Some(inbox::AmqpPublisher::connect(&self.settings, "inbox outbox").await?),
+                true => Some(inbox::internal::AmqpPublisher::connect(&self.settings, "inbox outbox").await?),
                 false => None,
             };
             Ok::<_, Error>((publisher, dispatching))
@@ -580,8 +581,8 @@ impl Runtime {
 
 /// With the outbox off: sends what each commit hands over, as it comes. A
 /// message the broker (or the handlers) do not take is lost, and said so.
-fn hand_over(mut handed_over: UnboundedReceiver<inbox::Outgoing>, sink: Publisher) {
-    use inbox::Sink;
+fn hand_over(mut handed_over: UnboundedReceiver<inbox::internal::Outgoing>, sink: Publisher) {
+    use inbox::internal::Sink;
     actix_rt::spawn(async move {
         while let Some(outgoing) = handed_over.recv().await {
             if let Err(e) = sink.send(&outgoing).await {

@@ -1,7 +1,7 @@
 //! Settling one delivery: carrying out the failure policy.
 //!
 //! A [`Settler`] runs a decoded delivery through the inbox (via the
-//! [`DedupActor`]), asks [`inbox::decide`] what the outcome means, and
+//! [`DedupActor`]), asks [`inbox::internal::decide`] what the outcome means, and
 //! carries the [`Action`] out with the broker: ack; hold while the
 //! database is unreachable; retry in process; move to a retry tier,
 //! `Q.error` or `Q.skipped`. Every move publishes the copy with its fault
@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use actix::Addr;
 use futures_util::future::join_all;
-use inbox::fault::{FailureHistory, Fault};
-use inbox::lapin::message::Delivery;
-use inbox::lapin::options::BasicNackOptions;
-use inbox::policy::Failure;
-use inbox::{
+use inbox::internal::fault::{FailureHistory, Fault};
+use inbox::internal::lapin::message::Delivery;
+use inbox::internal::lapin::options::BasicNackOptions;
+use inbox::internal::policy::Failure;
+use inbox::internal::{
     Abandoned, Action, AmqpPublisher, DeliveryLabel, Envelope, FailureSettings, Outcome, Stage, Target, Wire,
 };
 use tracing::Instrument;
@@ -80,12 +80,15 @@ impl Dialect {
         let broker = settings
             .amqp_urls()
             .first()
-            .and_then(|url| url.parse::<inbox::lapin::uri::AMQPUri>().ok());
+            .and_then(|url| url.parse::<inbox::internal::lapin::uri::AMQPUri>().ok());
         let input_address = match broker {
-            Some(uri) => {
-                inbox::masstransit::address(&uri.authority.host, uri.authority.port, &uri.vhost, &queue.name)
-            }
-            None => inbox::masstransit::address("localhost", 5672, "/", &queue.name),
+            Some(uri) => inbox::internal::masstransit::address(
+                &uri.authority.host,
+                uri.authority.port,
+                &uri.vhost,
+                &queue.name,
+            ),
+            None => inbox::internal::masstransit::address("localhost", 5672, "/", &queue.name),
         };
         Self {
             wire: settings.message_bus.wire,
@@ -95,7 +98,11 @@ impl Dialect {
     }
 
     /// Decodes `delivery` as this wire's envelope.
-    fn decode(&self, delivery: &mut Delivery, consumer: &str) -> Result<Envelope, inbox::DecodeError> {
+    fn decode(
+        &self,
+        delivery: &mut Delivery,
+        consumer: &str,
+    ) -> Result<Envelope, inbox::internal::DecodeError> {
         match self.wire {
             Wire::Inbox => Envelope::decode(
                 &delivery.properties,
@@ -293,7 +300,7 @@ impl Settler {
             ?rejected,
             "malformed delivery; moving it to the error queue"
         );
-        match inbox::decide(rejected, &history, &self.failure) {
+        match inbox::internal::decide(rejected, &history, &self.failure) {
             Action::Move { to, failure } => {
                 // Not decoded: no type to name.
                 let moved = Moved {
@@ -327,7 +334,7 @@ impl Settler {
 
     /// Settles one message: from `first`, the outcome of an attempt already
     /// made (in a batch), or from attempts of its own, each outcome decided
-    /// by [`inbox::decide`] and carried out here.
+    /// by [`inbox::internal::decide`] and carried out here.
     async fn process(&self, pending: Pending, mut first: Option<Outcome>) {
         let Pending {
             delivery,
@@ -359,7 +366,7 @@ impl Settler {
                             .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new(Stage::DedupActor, e)))
                     }
                 };
-                match inbox::decide(outcome, &history, &self.failure) {
+                match inbox::internal::decide(outcome, &history, &self.failure) {
                     Action::Ack { duplicate } => {
                         tracing::debug!(duplicate, "acking");
                         let result = self.window.ack(&delivery, ticket).await;
@@ -415,7 +422,7 @@ impl Settler {
     }
 
     /// Counts an ack, and the latency of the delivery it settled.
-    fn acked(&self, result: inbox::lapin::Result<bool>, duplicate: bool, arrived: Instant) {
+    fn acked(&self, result: inbox::internal::lapin::Result<bool>, duplicate: bool, arrived: Instant) {
         check_settled(result, "ack", &self.stats);
         self.count(if duplicate {
             Counter::Duplicates
@@ -460,7 +467,7 @@ impl Settler {
             source_queue: &self.queue,
         };
         // The fault headers, both wires' for MassTransit's.
-        let stamp = |headers: &mut inbox::lapin::types::FieldTable| {
+        let stamp = |headers: &mut inbox::internal::lapin::types::FieldTable| {
             fault.stamp(headers);
             if wire == Wire::Masstransit {
                 self.stamp_masstransit(headers, to, &failure, message_type);
@@ -481,13 +488,13 @@ impl Settler {
                 .as_ref()
                 .map_or(0, |h| h.inner().len());
             tracing::warn!(%too_large, dropped, "the message's headers do not fit one frame with the fault headers; moving it without them");
-            let mut headers = inbox::lapin::types::FieldTable::default();
+            let mut headers = inbox::internal::lapin::types::FieldTable::default();
             stamp(&mut headers);
             let note = format!("{dropped} headers dropped: {too_large}");
             headers.insert(
-                inbox::fault::headers::DROPPED_HEADERS.into(),
-                inbox::lapin::types::AMQPValue::LongString(
-                    inbox::fault::truncate(&note, inbox::fault::MAX_REASON_BYTES)
+                inbox::internal::fault::headers::DROPPED_HEADERS.into(),
+                inbox::internal::lapin::types::AMQPValue::LongString(
+                    inbox::internal::fault::truncate(&note, inbox::internal::fault::MAX_REASON_BYTES)
                         .as_ref()
                         .into(),
                 ),
@@ -526,13 +533,13 @@ impl Settler {
     /// the message. A delivery that did not decode gets none (MassTransit
     /// would publish a `ReceiveFault`).
     async fn publish_fault(&self, envelope: &Envelope, failure: &Failure, to: Target) {
-        use inbox::masstransit::{FAULT_EXCHANGE, FaultEvent, encode_fault, fault_exchange};
+        use inbox::internal::masstransit::{FAULT_EXCHANGE, FaultEvent, encode_fault, fault_exchange};
         let Some(context) = &envelope.masstransit else {
             return;
         };
         let message_type = envelope.event_type.as_str();
         let fault_id = inbox::uuid::Uuid::now_v7();
-        let timestamp = inbox::fault::now();
+        let timestamp = inbox::internal::fault::now();
         let fault = FaultEvent {
             fault_id,
             faulted_message_id: envelope.message_id,
@@ -546,7 +553,7 @@ impl Settler {
         };
         let published = match encode_fault(&fault) {
             Ok(envelope) => {
-                let properties = inbox::masstransit::properties(fault_id);
+                let properties = inbox::internal::masstransit::properties(fault_id);
                 self.forwarder
                     .publish_to_subscribers(
                         &fault_exchange(message_type),
@@ -571,12 +578,12 @@ impl Settler {
     /// skipped queue, `MT-Redelivery-Count` for a retry tier.
     fn stamp_masstransit(
         &self,
-        headers: &mut inbox::lapin::types::FieldTable,
+        headers: &mut inbox::internal::lapin::types::FieldTable,
         to: Target,
         failure: &Failure,
         message_type: &str,
     ) {
-        use inbox::masstransit::{Fault, stamp_dead_letter, stamp_fault, stamp_redelivery};
+        use inbox::internal::masstransit::{Fault, stamp_dead_letter, stamp_fault, stamp_redelivery};
         match to {
             Target::RetryTier(_) => stamp_redelivery(headers, failure.history.redeliveries),
             Target::Skipped => stamp_dead_letter(headers),
@@ -591,7 +598,7 @@ impl Settler {
                         message_type,
                         input_address: &self.dialect.input_address,
                         retries: failure.history.attempts.saturating_sub(1),
-                        timestamp: &inbox::fault::now(),
+                        timestamp: &inbox::internal::fault::now(),
                     },
                 );
             }
@@ -614,7 +621,7 @@ fn exception_type(to: Target) -> &'static str {
 
 /// lapin answers `Ok(false)` for an ack on a channel that has been recovered
 /// since the delivery: the broker never got it and will redeliver.
-fn check_settled(result: inbox::lapin::Result<bool>, what: &str, stats: &Stats) {
+fn check_settled(result: inbox::internal::lapin::Result<bool>, what: &str, stats: &Stats) {
     match result {
         Ok(true) => {}
         Ok(false) => {

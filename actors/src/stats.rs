@@ -189,7 +189,7 @@ impl Stats {
         cell.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn record_sweep(&self, report: &inbox::SweepReport) {
+    pub(crate) fn record_sweep(&self, report: &inbox::internal::SweepReport) {
         if !report.swept {
             self.sweeps_skipped.fetch_add(1, Ordering::Relaxed);
             return;
@@ -203,7 +203,7 @@ impl Stats {
             .fetch_max(micros, Ordering::Relaxed);
     }
 
-    pub(crate) fn record_dispatch(&self, report: &inbox::DispatchReport) {
+    pub(crate) fn record_dispatch(&self, report: &inbox::internal::DispatchReport) {
         let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
         self.outbox_dispatched
             .fetch_add(count(report.dispatched), Ordering::Relaxed);
@@ -213,7 +213,7 @@ impl Stats {
         self.outbox_dead.fetch_add(count(report.dead), Ordering::Relaxed);
     }
 
-    pub(crate) fn record_backlog(&self, backlog: &inbox::outbox::Backlog) {
+    pub(crate) fn record_backlog(&self, backlog: &inbox::internal::outbox::Backlog) {
         crate::metrics::outbox_backlog(backlog);
         self.outbox_pending.store(backlog.pending, Ordering::Relaxed);
         let oldest = backlog

@@ -2,8 +2,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::lapin::options::{BasicGetOptions, BasicQosOptions};
-use inbox::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settings, UnitOfWork};
+use inbox::internal::lapin::options::{BasicGetOptions, BasicQosOptions};
+use inbox::internal::{AmqpPublisher, Envelope, EventHandler, HandlerError, Message, Settings, UnitOfWork};
 use inbox_actors::Runtime;
 use inbox_actors::internal::{DeliverBatch, Outcome};
 

@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 
-use inbox::lapin::options::BasicGetOptions;
-use inbox::{Envelope, Message};
+use inbox::internal::lapin::options::BasicGetOptions;
+use inbox::internal::{Envelope, Message};
 use inbox_actors::Runtime;
 use inbox_actors::internal::{Deliver, Outcome};
 
@@ -122,11 +122,11 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     // Another consumer takes the message before the runtime starts...
     let crashing = amqp().await;
     let channel = crashing.create_channel().await.unwrap();
-    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    inbox::internal::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     let message = Message::new(Counted { key: 3 });
-    let publisher = inbox::AmqpPublisher::new(&crashing, "").await.unwrap();
+    let publisher = inbox::internal::AmqpPublisher::new(&crashing, "").await.unwrap();
     publisher.publish(&env.queue, &message).await.unwrap();
     let taken = channel
         .basic_get(env.queue.as_str().into(), BasicGetOptions { no_ack: false })

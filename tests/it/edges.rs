@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox::amqp::error_queue;
-use inbox::fault::headers;
-use inbox::lapin::BasicProperties;
-use inbox::lapin::types::{AMQPValue, FieldTable};
+use inbox::internal::amqp::error_queue;
+use inbox::internal::fault::headers;
+use inbox::internal::lapin::BasicProperties;
+use inbox::internal::lapin::types::{AMQPValue, FieldTable};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
@@ -61,7 +61,9 @@ async fn counting(settings: inbox::Settings) -> Runtime {
 #[actix_rt::test]
 async fn an_outbox_row_with_a_header_key_past_255_bytes_is_parked_alone_and_the_rest_flow() {
     let (env, forward) = with_forward_queue("edge_long_header_key").await;
-    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
     // First in its round: before the fix, building its properties panicked
     // the round, every round, and nothing behind it left.
     let long_key = serde_json::json!({ "k".repeat(300): "v" }).to_string();
@@ -82,7 +84,9 @@ async fn an_outbox_row_with_a_header_key_past_255_bytes_is_parked_alone_and_the_
 #[actix_rt::test]
 async fn an_outbox_row_whose_headers_encode_past_a_frame_is_parked_at_once_not_retried_as_an_outage() {
     let (env, forward) = with_forward_queue("edge_frame_size").await;
-    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
     // 12,000 empty headers with 5-byte keys: 60,000 bytes of keys and
     // values, under the old 64 KiB guard; 132,004 bytes encoded, past
     // RabbitMQ's 131,072-byte frame, which closed the connection.
@@ -116,7 +120,9 @@ async fn an_outbox_row_whose_headers_encode_past_a_frame_is_parked_at_once_not_r
 #[actix_rt::test]
 async fn a_row_that_closes_the_channel_is_charged_alone_and_its_round_mates_leave() {
     let (env, forward) = with_forward_queue("edge_poisoned_round").await;
-    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
     // First of ten in one round: a missing exchange closes the channel
     // (404), failing every confirm in flight with it.
     stage_row(&env, "inbox.test.no-such-exchange", &forward, "{}", 0).await;
@@ -198,7 +204,9 @@ async fn a_body_past_max_message_size_is_refused_at_staging_and_parked_at_dispat
 async fn returned_rows_are_matched_by_message_id_never_by_confirm_order() {
     let (mut env, forward) = with_forward_queue("edge_returns").await;
     let nowhere = env.another_queue("nowhere");
-    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
     // Unroutable and routable rows in rounds of 1,000, interleaved: the
     // returns of the first and the quorum queue's confirms of the second
     // arrive mixed, several completed by one `multiple` ack.
@@ -481,7 +489,7 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
         let results = futures_util::future::join_all(
             clients
                 .iter_mut()
-                .map(|client| inbox::migrate(client, false, &schema)),
+                .map(|client| inbox::internal::migrate(client, false, &schema)),
         )
         .await;
         for result in results {
@@ -499,9 +507,11 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     }
     // A version applied under one name and listed under another is refused.
     let mut client = env.db().await;
-    inbox::migrate(&mut client, false, &schema).await.unwrap();
+    inbox::internal::migrate(&mut client, false, &schema)
+        .await
+        .unwrap();
     let renamed = [inbox::Migration::new(1, "customers", "CREATE TABLE customers ()")];
-    let refused = inbox::migrate(&mut client, false, &renamed)
+    let refused = inbox::internal::migrate(&mut client, false, &renamed)
         .await
         .unwrap_err()
         .to_string();

@@ -152,7 +152,7 @@ async fn second_server(database: &str) -> Client {
         .batch_execute("CREATE TABLE counts (key bigint PRIMARY KEY, n bigint NOT NULL)")
         .await
         .unwrap();
-    inbox::run_migrations(&mut client).await.unwrap();
+    inbox::internal::run_migrations(&mut client).await.unwrap();
     client
 }
 

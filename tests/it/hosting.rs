@@ -1,4 +1,4 @@
-use inbox::{InboxKey, InboxStore, Message, Provider, Result, UnitOfWork};
+use inbox::internal::{InboxKey, InboxStore, Message, Provider, Result, UnitOfWork};
 use inbox_actors::Runtime;
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, wait_until};

@@ -5,8 +5,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use inbox::lapin::BasicProperties;
-use inbox::masstransit::ENVELOPE_CONTENT_TYPE;
+use inbox::internal::lapin::BasicProperties;
+use inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE;
 use inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Permanent, UnitOfWork, Wire};
 use inbox_actors::Runtime;
 use serde::{Deserialize, Serialize};
@@ -53,7 +53,7 @@ impl EventHandler<Counted> for CountAndRemember {
 }
 
 /// An envelope in the shape MassTransit 8.5 writes (the captured one of
-/// `inbox::masstransit`'s tests), for `message_type` with `message`.
+/// `inbox::internal::masstransit`'s tests), for `message_type` with `message`.
 fn envelope(id: Uuid, conversation: Uuid, message_type: &str, message: &str) -> String {
     format!(
         r#"{{
@@ -202,10 +202,10 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     let subscriber = env.another_queue("subscriber");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
+    inbox::internal::amqp::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::amqp::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
+    inbox::internal::amqp::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
         .await
         .unwrap();
     let runtime = Runtime::builder(masstransit(&env).valid())
@@ -258,7 +258,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
         Some(ENVELOPE_CONTENT_TYPE)
     );
     assert_eq!(sent.properties.kind(), &None, "MassTransit sets no `type`");
-    let decoded = inbox::masstransit::decode(&sent.properties, &sent.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&sent.properties, &sent.data).unwrap();
     assert_eq!(decoded.message_types, [Announced::TYPE]);
     assert_eq!(decoded.message_id, message.id);
     assert!(decoded.context.conversation_id.is_some(), "a new conversation");
@@ -459,7 +459,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     let forward = env.another_queue("recorded");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_wire_topology(
+    inbox::internal::amqp::declare_wire_topology(
         &channel,
         &inbox::QueueSettings::new(&forward),
         &Default::default(),
@@ -492,7 +492,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     assert_eq!(properties.kind(), &None, "MassTransit sets no AMQP type");
     assert_eq!(properties.delivery_mode(), &Some(2));
     // What a MassTransit consumer reads of it.
-    let decoded = inbox::masstransit::decode(properties, &arrived.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(properties, &arrived.data).unwrap();
     assert_eq!(
         properties.message_id().as_ref().map(|i| i.as_str().to_owned()),
         Some(decoded.message_id.to_string())
@@ -570,7 +570,7 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
         .get(0);
     assert_eq!(checkins, 1, "once, the redelivery skipped");
     let arrived = env.take(&forward).await.expect("the follow-up");
-    let decoded = inbox::masstransit::decode(&arrived.properties, &arrived.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data).unwrap();
     assert_eq!(decoded.message_types, [RECORDED]);
     assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
@@ -595,7 +595,7 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
 /// call for key 7.
 #[derive(Default)]
 struct RefusesOnce {
-    calls: Arc<Mutex<Vec<inbox::lapin::types::FieldTable>>>,
+    calls: Arc<Mutex<Vec<inbox::internal::lapin::types::FieldTable>>>,
 }
 
 impl EventHandler<Counted> for RefusesOnce {
@@ -635,12 +635,14 @@ async fn a_message_replayed_from_q_error_runs_again_without_masstransits_fault_h
     })
     .await;
 
-    let connection = inbox::amqp::connect(&settings, "test replay").await.unwrap();
-    let report = inbox::amqp::replay_on(
+    let connection = inbox::internal::amqp::connect(&settings, "test replay")
+        .await
+        .unwrap();
+    let report = inbox::internal::amqp::replay_on(
         Wire::Masstransit,
         &connection,
         &env.queue,
-        inbox::amqp::SetAside::Error,
+        inbox::internal::amqp::SetAside::Error,
         None,
     )
     .await
@@ -686,22 +688,26 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     // (shared with any other test's faults).
     let faults = env.another_queue("faults");
     let all_faults = env.another_queue("all_faults");
-    let exchange = inbox::masstransit::fault_exchange(Faulted::TYPE);
+    let exchange = inbox::internal::masstransit::fault_exchange(Faulted::TYPE);
     assert_eq!(exchange, "MassTransit:Fault--Inbox.Tests.MassTransit:Faulted--");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
+    inbox::internal::amqp::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::amqp::bind_to_fanout(&channel, &faults, &exchange)
+    inbox::internal::amqp::bind_to_fanout(&channel, &faults, &exchange)
         .await
         .unwrap();
-    inbox::amqp::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
+    inbox::internal::amqp::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::amqp::bind_to_fanout(&channel, &all_faults, inbox::masstransit::FAULT_EXCHANGE)
-        .await
-        .unwrap();
+    inbox::internal::amqp::bind_to_fanout(
+        &channel,
+        &all_faults,
+        inbox::internal::masstransit::FAULT_EXCHANGE,
+    )
+    .await
+    .unwrap();
     connection.close(200, "declared".into()).await.unwrap();
     let runtime = Runtime::builder(masstransit(&env).valid())
         .handler(Refuse)
@@ -718,7 +724,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     runtime.shutdown().await;
 
     let fault = env.take(&faults).await.expect("the fault");
-    let decoded = inbox::masstransit::decode(&fault.properties, &fault.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data).unwrap();
     assert_eq!(
         decoded.message_types,
         [
@@ -740,7 +746,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     // As MassTransit binds them, `Fault<T>`'s exchange feeds `Fault`'s.
     let mut faulted_ids = Vec::new();
     while let Some(fault) = env.take(&all_faults).await {
-        let decoded = inbox::masstransit::decode(&fault.properties, &fault.data).unwrap();
+        let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         faulted_ids.push(body["faultedMessageId"].as_str().unwrap_or_default().to_owned());
     }

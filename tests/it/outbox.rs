@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use inbox::lapin::options::BasicGetOptions;
-use inbox::lapin::types::FieldTable;
+use inbox::internal::lapin::options::BasicGetOptions;
+use inbox::internal::lapin::types::FieldTable;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use inbox_actors::Runtime;
 
@@ -39,7 +39,7 @@ impl EventHandler<Counted> for CountAndForward {
 pub(crate) async fn declare_queue(queue: &str) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
+    inbox::internal::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
@@ -230,7 +230,9 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
     // The cause is fixed: the queue exists now. The dead row gets another
     // round of attempts and leaves.
     declare_queue(&nowhere).await;
-    let revived = inbox::outbox::retry_dead(runtime.pool(), None).await.unwrap();
+    let revived = inbox::internal::outbox::retry_dead(runtime.pool(), None)
+        .await
+        .unwrap();
     assert_eq!(revived, 1);
     wait_until("the revived row arrives", || async {
         env.ready(&nowhere).await == 1
@@ -406,7 +408,7 @@ async fn a_staged_row_refused_before_it_is_sent_lets_nothing_commit() {
         &[&forward],
     )
     .await;
-    assert!(inbox::describe(&refused).contains("uuid"), "{refused}");
+    assert!(inbox::internal::describe(&refused).contains("uuid"), "{refused}");
     runtime.shutdown().await;
 }
 
@@ -470,11 +472,11 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
     let (first, second) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     let mut flow = FieldTable::default();
     flow.insert(
-        inbox::CORRELATION_ID.into(),
-        inbox::lapin::types::AMQPValue::LongString("flow-1".into()),
+        inbox::internal::CORRELATION_ID.into(),
+        inbox::internal::lapin::types::AMQPValue::LongString("flow-1".into()),
     );
     let with = |id: uuid::Uuid, headers: FieldTable| {
-        inbox::lapin::BasicProperties::default()
+        inbox::internal::lapin::BasicProperties::default()
             .with_message_id(id.to_string().into())
             .with_type("Counted".into())
             .with_headers(headers)
@@ -504,8 +506,8 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
             (second, second.to_string())
         };
         let header = |key| crate::support::header(&copy, key);
-        assert_eq!(header(inbox::CAUSATION_ID), Some(cause.to_string()));
-        assert_eq!(header(inbox::CORRELATION_ID), Some(correlation));
+        assert_eq!(header(inbox::internal::CAUSATION_ID), Some(cause.to_string()));
+        assert_eq!(header(inbox::internal::CORRELATION_ID), Some(correlation));
     }
     connection.close(200, "done".into()).await.unwrap();
 }
@@ -581,8 +583,8 @@ async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_c
 async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
     let env = TestEnv::new("outbox_retention").await;
     let settings = env.settings();
-    let pool = inbox::create_pool(&settings).unwrap();
-    inbox::run_migrations(&mut pool.get().await.unwrap())
+    let pool = inbox::internal::create_pool(&settings).unwrap();
+    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     env.db()
@@ -595,7 +597,7 @@ async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
         )
         .await
         .unwrap();
-    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
     assert_eq!(report.rows, 1, "{report:?}");
     let left = env
         .scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NULL OR dead_at > now() - interval '2 days'")
@@ -807,7 +809,9 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
     let (env, forward) = with_forward_queue("outbox_big_headers").await;
     let mut settings = env.settings();
     settings.outbox.max_attempts = 1;
-    inbox::run_migrations(&mut env.db().await).await.unwrap();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
     // Claimed first, in the same round as the others.
     let body = serde_json::to_vec(&Counted { key: 0 }).unwrap();
     let huge = serde_json::json!({ "note": "x".repeat(200 * 1024) }).to_string();
@@ -846,8 +850,8 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
 #[actix_rt::test]
 async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
     let env = TestEnv::new("outbox_backlog_sample").await;
-    let pool = inbox::create_pool(&env.settings()).unwrap();
-    inbox::run_migrations(&mut pool.get().await.unwrap())
+    let pool = inbox::internal::create_pool(&env.settings()).unwrap();
+    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     env.db()
@@ -861,7 +865,7 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
         )
         .await
         .unwrap();
-    let backlog = inbox::outbox::backlog(&pool).await.unwrap();
+    let backlog = inbox::internal::outbox::backlog(&pool).await.unwrap();
     assert_eq!((backlog.pending, backlog.dead), (3, 2));
     let oldest = backlog.oldest_pending.expect("rows are pending");
     assert!(
@@ -879,7 +883,7 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
         )
         .await
         .unwrap();
-    let backlog = inbox::outbox::backlog(&pool).await.unwrap();
+    let backlog = inbox::internal::outbox::backlog(&pool).await.unwrap();
     assert_eq!(backlog.pending, 4);
     assert_eq!(backlog.oldest_pending, Some(std::time::Duration::MAX));
     pool.close();

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use inbox::{Message, RetentionSettings};
+use inbox::internal::{Message, RetentionSettings};
 use inbox_actors::{Runtime, Sweep};
 
 use crate::support::{Count, Counted, TestEnv, Valid, wait_until};
@@ -82,10 +82,10 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     let settings = env.settings();
     // Each instance has its own pool, as two processes would.
     let (first, second) = (
-        inbox::create_pool(&settings).unwrap(),
-        inbox::create_pool(&settings).unwrap(),
+        inbox::internal::create_pool(&settings).unwrap(),
+        inbox::internal::create_pool(&settings).unwrap(),
     );
-    inbox::run_migrations(&mut first.get().await.unwrap())
+    inbox::internal::run_migrations(&mut first.get().await.unwrap())
         .await
         .unwrap();
     let retention = RetentionSettings {
@@ -95,8 +95,8 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     for round in 0..5 {
         backdated_rows(&env, "expired", 5000, 8).await;
         let (a, b) = tokio::join!(
-            inbox::sweep(&first, &retention),
-            inbox::sweep(&second, &retention)
+            inbox::internal::sweep(&first, &retention),
+            inbox::internal::sweep(&second, &retention)
         );
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!(a.rows + b.rows, 5000, "round {round}: {a:?} {b:?}");
@@ -108,9 +108,12 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     }
     // The lock is not left behind: each can sweep alone afterwards.
     backdated_rows(&env, "expired", 10, 8).await;
-    assert_eq!(inbox::sweep(&second, &retention).await.unwrap().rows, 10);
+    assert_eq!(
+        inbox::internal::sweep(&second, &retention).await.unwrap().rows,
+        10
+    );
     backdated_rows(&env, "expired", 10, 8).await;
-    assert_eq!(inbox::sweep(&first, &retention).await.unwrap().rows, 10);
+    assert_eq!(inbox::internal::sweep(&first, &retention).await.unwrap().rows, 10);
 }
 
 #[actix_rt::test]
@@ -179,13 +182,13 @@ async fn a_backlog_of_200000_due_rows_goes_in_bounded_batches() {
 async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
     let env = TestEnv::new("retention_sample").await;
     let settings = env.settings();
-    let pool = inbox::create_pool(&settings).unwrap();
-    inbox::run_migrations(&mut pool.get().await.unwrap())
+    let pool = inbox::internal::create_pool(&settings).unwrap();
+    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     backdated_rows(&env, "expired", 40, 8).await;
     backdated_rows(&env, "recent", 25, 2).await;
-    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
     assert_eq!(report.rows, 40);
     // Never analyzed: counted exactly.
     assert_eq!(report.inbox_rows, 25);
@@ -200,7 +203,7 @@ async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
         .batch_execute("ANALYZE inbox_messages")
         .await
         .unwrap();
-    let report = inbox::sweep(&pool, &settings.retention).await.unwrap();
+    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
     assert_eq!(report.inbox_rows, 25);
     pool.close();
 }

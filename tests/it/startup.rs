@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use inbox::lapin::ExchangeKind;
-use inbox::lapin::options::ExchangeDeclareOptions;
-use inbox::lapin::types::FieldTable;
-use inbox::{AmqpPublisher, Message, Settings};
+use inbox::internal::lapin::ExchangeKind;
+use inbox::internal::lapin::options::ExchangeDeclareOptions;
+use inbox::internal::lapin::types::FieldTable;
+use inbox::internal::{AmqpPublisher, Message, Settings};
 use inbox_actors::Runtime;
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, amqp, declare, wait_until};

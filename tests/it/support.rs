@@ -6,10 +6,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox::lapin::message::Delivery;
-use inbox::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
-use inbox::lapin::types::FieldTable;
-use inbox::lapin::{BasicProperties, Connection, ConnectionProperties};
+use inbox::internal::lapin::message::Delivery;
+use inbox::internal::lapin::options::{
+    BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use inbox::internal::lapin::types::FieldTable;
+use inbox::internal::lapin::{BasicProperties, Connection, ConnectionProperties};
 use inbox::tokio_postgres::{Client, NoTls};
 use inbox::{
     EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
@@ -176,7 +178,7 @@ impl TestEnv {
 }
 
 /// `queue` as the broker sees it (a passive declare), if it exists.
-async fn probe(queue: &str) -> Option<inbox::lapin::Queue> {
+async fn probe(queue: &str) -> Option<inbox::internal::lapin::Queue> {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let options = QueueDeclareOptions {
@@ -279,7 +281,7 @@ pub(crate) async fn amqp() -> Arc<Connection> {
 
 /// A header of `delivery` as text (strings) or its debug form (others).
 pub(crate) fn header(delivery: &Delivery, key: &str) -> Option<String> {
-    use inbox::lapin::types::AMQPValue;
+    use inbox::internal::lapin::types::AMQPValue;
     let value = delivery.properties.headers().as_ref()?.inner().get(key)?.clone();
     Some(match value {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
@@ -319,7 +321,7 @@ pub(crate) async fn publish_keys(
 pub(crate) async fn declare(settings: &Settings) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    inbox::internal::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();

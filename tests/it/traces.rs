@@ -4,8 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use inbox::lapin::BasicProperties;
-use inbox::{EventHandler, HandlerError, Message, MessageContext, TraceContext, UnitOfWork};
+use inbox::internal::lapin::BasicProperties;
+use inbox::internal::{EventHandler, HandlerError, Message, MessageContext, TraceContext, UnitOfWork};
 use inbox_actors::Runtime;
 
 use crate::outbox::with_forward_queue;
@@ -51,13 +51,13 @@ async fn a_handler_sees_the_context_and_a_follow_up_continues_the_trace() {
         .unwrap();
     // It fails its first attempt and succeeds on its immediate retry.
     let message = Message::new(Counted { key: 0 });
-    let mut headers = inbox::lapin::types::FieldTable::default();
+    let mut headers = inbox::internal::lapin::types::FieldTable::default();
     TraceContext::parse(INCOMING, Some("vendor=1"))
         .unwrap()
         .insert_into(&mut headers);
     headers.insert(
         "tenant".into(),
-        inbox::lapin::types::AMQPValue::LongString("acme".into()),
+        inbox::internal::lapin::types::AMQPValue::LongString("acme".into()),
     );
     let properties = BasicProperties::default()
         .with_message_id(message.id.to_string().into())
@@ -100,10 +100,10 @@ async fn an_invalid_traceparent_is_ignored_and_the_message_processed() {
         .await
         .unwrap();
     let message = Message::new(Counted { key: 1 });
-    let mut headers = inbox::lapin::types::FieldTable::default();
+    let mut headers = inbox::internal::lapin::types::FieldTable::default();
     headers.insert(
         "traceparent".into(),
-        inbox::lapin::types::AMQPValue::LongString("00-zz-not-a-trace".repeat(100).as_str().into()),
+        inbox::internal::lapin::types::AMQPValue::LongString("00-zz-not-a-trace".repeat(100).as_str().into()),
     );
     let properties = BasicProperties::default()
         .with_message_id(message.id.to_string().into())

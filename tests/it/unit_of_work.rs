@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use inbox::deadpool_postgres::Pool;
+use inbox::internal::deadpool_postgres::Pool;
 use inbox::{Settings, UnitOfWork};
 
 use crate::support::TestEnv;
@@ -10,7 +10,7 @@ use crate::support::TestEnv;
 fn pool_of_one(settings: &Settings) -> Pool {
     let mut settings = settings.clone();
     settings.database.pool_size = 1;
-    inbox::create_pool(&settings).unwrap()
+    inbox::internal::create_pool(&settings).unwrap()
 }
 
 /// Whether the next connection from `pool` is inside a transaction, and its
@@ -128,7 +128,7 @@ async fn commit_and_rollback_keep_the_connection_for_reuse() {
 #[actix_rt::test]
 async fn rolling_back_to_a_savepoint_forgets_the_records_staged_since() {
     let env = TestEnv::new("uow_savepoint_staging").await;
-    let pool = inbox::create_pool(&env.settings()).unwrap();
+    let pool = inbox::internal::create_pool(&env.settings()).unwrap();
     let mut uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
     let (before, after) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     uow.note_recorded(before);
