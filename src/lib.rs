@@ -1,12 +1,11 @@
-#![doc = include_str!("../README.md")]
+//! `inbox`: the core of `inbox-actors`,
+//! which runs it as actix actors. A service depends on `inbox-actors`; it
+//! re-exports what a service uses, and its crate documentation is the place
+//! to start.
 //!
-//! ## The parts of this crate
-//!
-//! This crate is the engine that `inbox-actors` runs as actix actors; a
-//! service depends on `inbox-actors`, which re-exports what it uses. At
-//! this crate's root: the handler trait and the unit of work, the message
-//! and its context, the settings, the migrations and the error. Under
-//! [`internal`], under no semver promise: the engine itself, for the
+//! At this crate's root: the handler trait and the unit of work, the
+//! message and its context, the settings, the migrations and the error.
+//! Under [`internal`], under no semver promise: the engine itself, for the
 //! runtime crate and this repository's tests and tools (the broker, the
 //! outbox, the failure policy, the fault headers, trace context, the wire
 //! formats, retention).

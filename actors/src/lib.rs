@@ -1,12 +1,79 @@
-//! `inbox-actors`: the actix actors that run [`inbox`]. How a message
-//! flows through them, drawn: docs/guarantees.md, "How a message flows".
+//! Exactly-once effects for RabbitMQ integration events on a service's own
+//! PostgreSQL database.
 //!
-//! A service touches the [`Runtime`]: built from [`inbox::Settings`] with
-//! [`Runtime::builder`], it registers a handler per event type,
-//! [`start`](RuntimeBuilder::start)s (database, migrations, topology,
-//! consuming), then [`run_until`](Runtime::run_until) a shutdown future,
-//! and drains within one timeout. It hands out a [`Publisher`] and a
-//! [`Monitor`] (health and stats).
+//! RabbitMQ delivers at least once: a lost ack, a consumer that crashes
+//! mid-message, a redeploy or a retry an hour later hands the same event to
+//! the same handlers again. This crate records each processed message's id
+//! in an `inbox_messages` table **in the same transaction as the handlers'
+//! own writes**, and skips every redelivery. It runs on actix: register a
+//! handler per event type, start the [`Runtime`] in the service's actix
+//! system, and end it with a signal.
+//!
+//! ```no_run
+//! use inbox_actors::{EventHandler, HandlerError, IntegrationEvent, Migration, Runtime, Settings, UnitOfWork};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct OrderPlaced { order_id: i64 }
+//!
+//! impl IntegrationEvent for OrderPlaced {
+//!     const TYPE: &'static str = "OrderPlaced"; // the AMQP `type` property
+//! }
+//!
+//! struct RecordOrder;
+//!
+//! impl EventHandler<OrderPlaced> for RecordOrder {
+//!     async fn handle(&self, event: &OrderPlaced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+//!         // In the message's transaction, with its inbox row: once, or not at all.
+//!         uow.client().execute("INSERT INTO orders (id) VALUES ($1)", &[&event.order_id]).await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! // The service's own tables, migrated with the inbox's, replicas taking turns.
+//! const SCHEMA: &[Migration] = &[Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)")];
+//!
+//! #[actix::main]
+//! async fn main() -> inbox_actors::Result<()> {
+//!     let settings = Settings::load()?; // config/*.toml and INBOX__SECTION__KEY, validated
+//!     let signal = inbox_actors::shutdown_signal()?; // SIGINT or SIGTERM
+//!     let runtime = Runtime::builder(settings).migrations(SCHEMA).handler(RecordOrder).start().await?;
+//!     runtime.run_until(signal).await; // then drains within runtime.shutdown_timeout
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # The guarantee
+//!
+//! - **Exactly once for writes through the unit of work**: the inbox row and
+//!   every handler's writes through [`UnitOfWork`] commit in one
+//!   transaction, and a message is acked only after its `COMMIT`. What a
+//!   handler publishes with [`UnitOfWork::publish`] leaves through the
+//!   outbox, after that commit, never before.
+//! - **At least once for everything else** a handler touches (another
+//!   database, an HTTP call): make those idempotent.
+//! - **Never lost, never looped**: a failing message walks immediate
+//!   retries, delayed retry tiers and an error queue; one that can never
+//!   succeed ([`Permanent`], or malformed) goes there at once; every move is
+//!   confirmed by the broker before the original is acked.
+//! - **Outages pause, they do not fail**: a database or broker that goes
+//!   away holds the messages in flight without spending their attempts, and
+//!   is reconnected; every wait is bounded.
+//!
+//! # Read on
+//!
+//! [`RuntimeBuilder`] (handlers, migrations, a custom [`store`]),
+//! [`Settings`] (every key in `config/default.toml`), [`Monitor`] (health and
+//! stats for a service's endpoints), [`metrics`] (the series it records). In
+//! the repository: `README.md` (a quickstart: the example service and the
+//! tests, two commands), and under `docs/` the guarantees and what the fault
+//! suite breaks to check them, the failure policy, the outbox, operations
+//! (settings, health, metrics, tracing, clusters), joining a MassTransit
+//! estate, and performance.
+//!
+//! # How it runs
+//!
+//! How a message flows through the actors is drawn in `docs/guarantees.md`
+//! ("How a message flows").
 //!
 //! The actors, one file each, with the messages they take:
 //! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends `Deliver`
@@ -36,6 +103,11 @@
 //! (the handle on health and stats), `metrics.rs` (what the runtime
 //! records through the `metrics` facade), `publisher.rs`, `stats.rs`,
 //! `runtime.rs`.
+
+// README's code compiles with the tests, as it did when it was a crate doc.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
 
 mod acks;
 mod availability;
