@@ -271,7 +271,7 @@ impl<E: CheckIn> EventHandler<E> for AbortOn {
 
 /// Drops the service's database and deletes its queues (`--remove`).
 async fn remove(settings: &inbox_actors::Settings) -> common::Result<()> {
-    let connection = inbox::internal::amqp::connect(settings, "checkin_service --remove").await?;
+    let connection = inbox_actors::tools::connect(settings, "checkin_service --remove").await?;
     let channel = connection.create_channel().await?;
     let wire = settings.message_bus.wire;
     for queue in &settings.queues {
@@ -306,11 +306,11 @@ async fn declare_forward_queue(
     queue: &str,
     recorded: Option<&str>,
 ) -> common::Result<()> {
-    let connection = inbox::internal::amqp::connect(settings, "checkin_service --forward-to").await?;
+    let connection = inbox_actors::tools::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
-    inbox::internal::amqp::declare_queue(&channel, queue, inbox_actors::QueueKind::Quorum).await?;
+    inbox_actors::tools::declare_queue(&channel, queue, inbox_actors::QueueKind::Quorum).await?;
     if let Some(exchange) = recorded {
-        inbox::internal::amqp::bind_to_fanout(&channel, queue, exchange).await?;
+        inbox_actors::tools::bind_to_fanout(&channel, queue, exchange).await?;
     }
     connection.close(200, "declared".into()).await?;
     Ok(())

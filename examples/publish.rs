@@ -14,8 +14,8 @@ mod common;
 use std::collections::HashSet;
 
 use common::{AttendeeCheckedIn, XorShift};
-use inbox::internal::{AmqpPublisher, amqp};
 use inbox_actors::Message;
+use inbox_actors::tools::{self, AmqpPublisher};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
@@ -40,8 +40,8 @@ async fn run() -> common::Result<()> {
     let settings = common::settings()?;
     let queue = &settings.queues[0];
 
-    let connection = amqp::connect(&settings, "inbox example publisher").await?;
-    amqp::declare_topology(&connection.create_channel().await?, queue, &settings.failure).await?;
+    let connection = tools::connect(&settings, "inbox example publisher").await?;
+    tools::declare_topology(&connection.create_channel().await?, queue, &settings.failure).await?;
     let publisher = AmqpPublisher::new(&connection, "").await?;
 
     let mut random = XorShift(0x9e37_79b9_7f4a_7c15);

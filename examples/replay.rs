@@ -19,7 +19,7 @@ mod common;
 
 use std::collections::HashSet;
 
-use inbox::internal::amqp::{self, SetAside};
+use inbox_actors::tools::{self, SetAside};
 use inbox_actors::uuid::Uuid;
 
 #[tokio::main(flavor = "current_thread")]
@@ -49,9 +49,9 @@ async fn run() -> common::Result<()> {
         None | Some("error") => SetAside::Error,
         Some("skipped") => SetAside::Skipped,
         Some("outbox") => {
-            let pool = inbox::internal::create_pool(&settings)?;
+            let pool = tools::create_pool(&settings)?;
             let only = (!only.is_empty()).then_some(&only);
-            let revived = inbox::internal::outbox::retry_dead(&pool, only).await?;
+            let revived = tools::retry_dead(&pool, only).await?;
             println!("from=outbox revived={revived}");
             return Ok(());
         }
@@ -62,10 +62,10 @@ async fn run() -> common::Result<()> {
         }
     };
     let queue = &settings.queues[0].name;
-    let connection = amqp::connect(&settings, "inbox replay").await?;
+    let connection = tools::connect(&settings, "inbox replay").await?;
     let wire = settings.message_bus.wire;
     let only = (!only.is_empty()).then_some(&only);
-    let report = amqp::replay_on(wire, &connection, queue, from, only).await?;
+    let report = tools::replay_on(wire, &connection, queue, from, only).await?;
     connection.close(200, "done".into()).await?;
     println!(
         "from={} to={queue} replayed={} left={}",

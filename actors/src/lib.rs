@@ -157,6 +157,24 @@ pub mod store {
     pub use inbox::store::{Claim, InboxKey, InboxStore, NoopInboxStore, PgInboxStore};
 }
 
+/// For producers and operators, outside a runtime: connecting to the
+/// broker, declaring a queue (with its retry tiers and error queues, or
+/// alone, or bound to an event type's exchange), publishing with confirms,
+/// replaying what was set aside, reviving dead outbox rows, and the
+/// database pool and migrations, as the examples use them.
+pub mod tools {
+    pub use inbox::internal::amqp::{
+        ReplayReport, SetAside, bind_to_fanout, connect, declare_queue, declare_topology, error_queue,
+        replay, replay_on, retry_queue, skipped_queue,
+    };
+    /// The pool the database tools return.
+    pub use inbox::internal::deadpool_postgres;
+    /// The AMQP client the broker tools take and return.
+    pub use inbox::internal::lapin;
+    pub use inbox::internal::outbox::retry_dead;
+    pub use inbox::internal::{AmqpPublisher, create_pool, migrate, wait_for_database};
+}
+
 /// Sweeping inbox rows now, rather than at the next `retention.interval`:
 /// send [`Sweep`] to [`Runtime::retention`].
 pub use retention::{RetentionActor, Sweep};

@@ -237,9 +237,9 @@ pub(crate) const SCHEMA: &[inbox_actors::Migration] = &[inbox_actors::Migration:
 )];
 
 /// Applies [`SCHEMA`] (and the inbox's tables) where no runtime is built.
-pub(crate) async fn create_tables(pool: &inbox::internal::deadpool_postgres::Pool) -> Result<()> {
+pub(crate) async fn create_tables(pool: &inbox_actors::tools::deadpool_postgres::Pool) -> Result<()> {
     let mut connection = pool.get().await?;
-    Ok(inbox::internal::migrate(&mut connection, true, SCHEMA).await?)
+    Ok(inbox_actors::tools::migrate(&mut connection, true, SCHEMA).await?)
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.
@@ -307,11 +307,11 @@ pub(crate) async fn drop_database(settings: &Settings, name: &str) -> Result<()>
 
 /// A connection to the database `database.url` names, whatever
 /// `database.name` says.
-async fn admin(settings: &Settings) -> Result<inbox::internal::deadpool_postgres::Object> {
+async fn admin(settings: &Settings) -> Result<inbox_actors::tools::deadpool_postgres::Object> {
     let mut admin = settings.clone();
     admin.database.name = None;
-    let pool = inbox::internal::create_pool(&admin)?;
-    Ok(inbox::internal::wait_for_database(&pool, &admin).await?)
+    let pool = inbox_actors::tools::create_pool(&admin)?;
+    Ok(inbox_actors::tools::wait_for_database(&pool, &admin).await?)
 }
 
 /// The value after `--name` on the command line.
