@@ -55,9 +55,10 @@
 //!   retries, delayed retry tiers and an error queue; one that can never
 //!   succeed ([`Permanent`], or malformed) goes there at once; every move is
 //!   confirmed by the broker before the original is acked.
-//! - **Outages pause, they do not fail**: a database or broker that goes
-//!   away holds the messages in flight without spending their attempts, and
-//!   is reconnected; every wait is bounded.
+//! - **Outages pause, they do not fail**: while the database is away the
+//!   messages in flight are held without spending their attempts; the
+//!   database and the broker are reconnected by themselves; every wait is
+//!   bounded.
 //!
 //! # Read on
 //!
@@ -91,9 +92,9 @@
 //!   [`handler_factory`](RuntimeBuilder::handler_factory).
 //! - `OutboxActor` (`outbox.rs`): dispatches the rows units of work staged
 //!   in `outbox_messages`, woken by commits (in process and through
-//!   `LISTEN`) and by its poll; samples the backlog and sweeps dead rows.
-//!   Takes `StopDispatching` at shutdown.
-//! - [`RetentionActor`] (`retention.rs`): deletes inbox rows past
+//!   `LISTEN`) and by its poll; samples the backlog. Takes
+//!   `StopDispatching` at shutdown.
+//! - [`RetentionActor`] (`retention.rs`): deletes inbox rows and dead outbox rows past
 //!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
 //!
 //! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
