@@ -1,7 +1,6 @@
-//! `inbox`: the core of `inbox-actors`,
-//! which runs it as actix actors. A service depends on `inbox-actors`; it
-//! re-exports what a service uses, and its crate documentation is the place
-//! to start.
+//! `inbox`: the core of `inbox-actors`, which runs it as actix actors. A
+//! service depends on `inbox-actors`: it re-exports what a service uses,
+//! and its crate documentation is the place to start.
 //!
 //! At this crate's root: the handler trait and the unit of work, the
 //! message and its context, the settings, the migrations and the error.
