@@ -66,20 +66,21 @@ impl MessageContext {
             }
             .map(|t| truncate(&t, MAX_VALUE_BYTES).into_owned())
         };
-        let cut = |value: &Option<String>| {
-            value
-                .as_deref()
+        // Read where they are: the envelope is shared, and copied only cut.
+        let masstransit = envelope.masstransit.as_ref();
+        let cut = |field: fn(&crate::masstransit::Context) -> &Option<String>| {
+            masstransit
+                .and_then(|m| field(m).as_deref())
                 .map(|t| truncate(t, MAX_VALUE_BYTES).into_owned())
         };
-        let masstransit = envelope.masstransit.clone().unwrap_or_default();
         Self {
             message_id: envelope.message_id,
             event_type: envelope.event_type.clone(),
             redelivered: envelope.redelivered,
-            correlation_id: cut(&masstransit.correlation_id).or_else(|| text(CORRELATION_ID)),
-            conversation_id: cut(&masstransit.conversation_id),
-            initiator_id: cut(&masstransit.initiator_id),
-            source_address: cut(&masstransit.source_address),
+            correlation_id: cut(|m| &m.correlation_id).or_else(|| text(CORRELATION_ID)),
+            conversation_id: cut(|m| &m.conversation_id),
+            initiator_id: cut(|m| &m.initiator_id),
+            source_address: cut(|m| &m.source_address),
             causation_id: text(CAUSATION_ID),
             attempt: envelope.attempt,
             trace: envelope.trace.clone(),

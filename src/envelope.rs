@@ -36,6 +36,10 @@ pub struct Envelope {
     /// With MassTransit's wire: the address of the queue it was consumed
     /// from, as MassTransit writes it: the source of its follow-ups.
     pub input_address: Option<String>,
+    /// The event, once decoded from `body` before its transaction, for the
+    /// handler actor to take: the body is parsed once per attempt, not
+    /// once to check it and again to handle it.
+    pub decoded: Decoded,
     /// The span all work on this message runs in, named `process {queue}`
     /// after OpenTelemetry's messaging conventions (`messaging.system`,
     /// `messaging.destination.name`, `messaging.message.id`,
@@ -45,6 +49,40 @@ pub struct Envelope {
     /// A child of the publisher's context (with the `opentelemetry`
     /// feature).
     pub span: tracing::Span,
+}
+
+/// The event of an [`Envelope`], decoded before its transaction and taken
+/// once by the handlers' first attempt. A copy of the envelope (a retry's,
+/// which carries its own attempt number) starts empty and decodes again.
+#[derive(Default)]
+pub struct Decoded(std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>);
+
+impl Decoded {
+    /// Holds `event` for the handlers.
+    pub fn set(&self, event: Box<dyn std::any::Any + Send>) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(event);
+        }
+    }
+
+    /// The event held, if it is an `E` and no one took it yet.
+    pub fn take<E: 'static>(&self) -> Option<E> {
+        let held = self.0.lock().ok()?.take()?;
+        held.downcast::<E>().ok().map(|event| *event)
+    }
+}
+
+impl Clone for Decoded {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for Decoded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.0.lock().map(|slot| slot.is_some()).unwrap_or(false);
+        f.debug_tuple("Decoded").field(&held).finish()
+    }
 }
 
 /// Why a delivery is not a valid envelope. Such a delivery can never succeed,
@@ -109,6 +147,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
+            decoded: Decoded::default(),
         })
     }
 
@@ -153,6 +192,7 @@ impl Envelope {
             trace,
             masstransit: Some(decoded.context),
             input_address: None,
+            decoded: Decoded::default(),
         })
     }
 
@@ -196,6 +236,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
+            decoded: Decoded::default(),
         };
         envelope.consumed_from(consumer, consumer);
         Ok(envelope)
@@ -226,6 +267,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
+            decoded: Decoded::default(),
         };
         envelope.consumed_from(consumer, &outgoing.routing_key);
         envelope

@@ -48,7 +48,7 @@ pub use crate::{
 pub use amqp::AmqpPublisher;
 pub use backoff::Backoff;
 pub use db::{create_dispatching_pool, create_pool, wait_for_database};
-pub use envelope::{DecodeError, DeliveryLabel, Envelope};
+pub use envelope::{DecodeError, Decoded, DeliveryLabel, Envelope};
 pub use outbox::{DispatchReport, Outgoing, Sink, dispatch, drain};
 pub use policy::{Abandoned, Action, Outcome, Stage, Target, decide};
 pub use retention::{SweepReport, sweep};

@@ -2,7 +2,8 @@
 //!
 //! Owns the handlers registered for its event type `E`, in registration
 //! order. Receives [`Handle`] from the [`DedupActor`](crate::DedupActor):
-//! deserializes the body into `E` and runs every handler on the message's
+//! takes the event decoded before the transaction (or deserializes the
+//! body into `E`) and runs every handler on the message's
 //! unit of work, replying [`Handled`]; and [`HandleBatch`], the same for
 //! several messages of a batch at once. A handler that panics fails its
 //! message (never the actor's other work) and the actor restarts itself
@@ -263,16 +264,16 @@ pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
     serde_json::from_slice(body).map_err(|e| cut_to_reason(format!("body is not a valid `{}`: {e}", E::TYPE)))
 }
 
-/// Whether a body decodes into an event type, checked before a message's
-/// transaction begins: a body that is not its event goes to the error
-/// queue without costing a transaction and a rollback. (The handler actor
-/// decodes it again: one parse of a small body, against a transaction's
-/// round trips to the database.)
-pub(crate) type Decodes = fn(&[u8]) -> Result<(), String>;
+/// Decodes a body into an event type before a message's transaction
+/// begins: a body that is not its event goes to the error queue without
+/// costing a transaction and a rollback, and one that is has its event
+/// held in the envelope ([`inbox::internal::Decoded`]) for the handler
+/// actor, which parses it no second time.
+pub(crate) type Decodes = fn(&[u8]) -> Result<Box<dyn std::any::Any + Send>, String>;
 
 /// [`Decodes`] for `E`.
-pub(crate) fn decodes<E: IntegrationEvent>(body: &[u8]) -> Result<(), String> {
-    decode::<E>(body).map(drop)
+pub(crate) fn decodes<E: IntegrationEvent>(body: &[u8]) -> Result<Box<dyn std::any::Any + Send>, String> {
+    decode::<E>(body).map(|event| Box::new(event) as Box<dyn std::any::Any + Send>)
 }
 
 /// The event types handlers are registered for, by name, each with its
@@ -296,9 +297,13 @@ impl HandledTypes {
         self.find(name).is_some()
     }
 
-    /// Whether `body` decodes into the type `name`; `None` when no handler
-    /// is registered for it.
-    pub(crate) fn check(&self, name: &str, body: &[u8]) -> Option<Result<(), String>> {
+    /// `body` decoded into the type `name`, or why it does not decode;
+    /// `None` when no handler is registered for it.
+    pub(crate) fn decode(
+        &self,
+        name: &str,
+        body: &[u8],
+    ) -> Option<Result<Box<dyn std::any::Any + Send>, String>> {
         self.find(name).map(|decodes| decodes(body))
     }
 
@@ -318,11 +323,15 @@ async fn run_handlers<E: IntegrationEvent>(
     // Records when the handlers are done, whichever way they end.
     _timer: HandlerTimer,
 ) -> Handled {
-    // Checked before the transaction when consumed; published in process,
-    // a message is decoded here alone.
+    // Decoded before the transaction when consumed, and taken here; a
+    // message published in process, or on a later attempt, decodes here.
     let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
     for envelope in &envelopes {
-        match decode(&envelope.body) {
+        let event = envelope
+            .decoded
+            .take::<E>()
+            .map_or_else(|| decode(&envelope.body), Ok);
+        match event {
             Ok(event) => events.push(event),
             Err(reason) => {
                 return Handled::Failed {

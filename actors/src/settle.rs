@@ -204,13 +204,18 @@ impl Settler {
                 }
                 envelope.set_attempt(history.next_attempt());
                 // A type without handlers is skipped in its transaction
-                // (which records the skip); one with handlers must decode.
-                let known = match self.dialect.handled.check(&envelope.event_type, &envelope.body) {
+                // (which records the skip); one with handlers must decode,
+                // and its handlers take the event decoded here.
+                let known = match self.dialect.handled.decode(&envelope.event_type, &envelope.body) {
                     Some(Err(reason)) => Some(Outcome::Rejected {
                         stage: Stage::Deserialize,
                         reason,
                     }),
-                    Some(Ok(())) | None => None,
+                    Some(Ok(event)) => {
+                        envelope.decoded.set(event);
+                        None
+                    }
+                    None => None,
                 };
                 Ok(Pending {
                     delivery,
@@ -503,13 +508,15 @@ impl Settler {
         }
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {
+                self.ack(delivery, ticket).await;
+                self.count(counter);
+                // A notification, after the message is settled: a slow or
+                // failed fault holds up no ack.
                 if let Some(envelope) = envelope
                     && matches!(to, Target::Exhausted | Target::Rejected)
                 {
                     self.publish_fault(envelope, &failure, to).await;
                 }
-                self.ack(delivery, ticket).await;
-                self.count(counter);
             }
             Err(e) => {
                 tracing::error!(error = %e, "could not move the message to {queue}; handing it back to the broker");

@@ -192,11 +192,27 @@ impl AmqpPublisher {
                 Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason)
             })?;
         }
-        fanout_exchange(&channel, name).await?;
-        for implemented in implements {
-            fanout_exchange(&channel, implemented).await?;
-            bind_exchange(&channel, name, implemented).await?;
-        }
+        // Bounded like a confirm: a broker whose packets vanish answers no
+        // declare either, and an outbox round or a move waits on this.
+        let declaring = async {
+            fanout_exchange(&channel, name).await?;
+            for implemented in implements {
+                fanout_exchange(&channel, implemented).await?;
+                bind_exchange(&channel, name, implemented).await?;
+            }
+            Ok::<(), Error>(())
+        };
+        tokio::time::timeout(self.confirm_timeout, declaring)
+            .await
+            .map_err(|_| {
+                Error::unreachable(
+                    "broker",
+                    format!("exchange `{}`", crate::fault::truncate(name, 64)),
+                    self.confirm_timeout,
+                    "message_bus.confirm_timeout",
+                    "no answer to declaring it".into(),
+                )
+            })??;
         if let Ok(mut declared) = self.declared.lock() {
             declared.insert(name.to_owned());
         }

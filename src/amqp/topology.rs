@@ -88,7 +88,7 @@ pub async fn declare_wire_topology(
         declare(channel, &set_aside, arguments).await?;
         if wire == Wire::Masstransit {
             fanout_exchange(channel, &set_aside).await?;
-            bind_queue(channel, &set_aside).await?;
+            bind_queue(channel, &set_aside, &set_aside).await?;
         }
     }
     if wire == Wire::Masstransit {
@@ -98,7 +98,7 @@ pub async fn declare_wire_topology(
             })?;
         }
         fanout_exchange(channel, &queue.name).await?;
-        bind_queue(channel, &queue.name).await?;
+        bind_queue(channel, &queue.name, &queue.name).await?;
         for message_type in message_types {
             fanout_exchange(channel, message_type).await?;
             bind_exchange(channel, message_type, &queue.name).await?;
@@ -114,22 +114,7 @@ pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> R
     crate::limits::check_name("exchange", exchange)
         .map_err(|reason| Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason))?;
     fanout_exchange(channel, exchange).await?;
-    channel
-        .queue_bind(
-            queue.into(),
-            exchange.into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| {
-            Error::topology(
-                queue.to_owned(),
-                format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
-            )
-        })?;
-    Ok(())
+    bind_queue(channel, queue, exchange).await
 }
 
 /// Binds exchange `source` to exchange `destination`: what `source` takes,
@@ -165,12 +150,12 @@ pub(super) async fn fanout_exchange(channel: &Channel, name: &str) -> Result<()>
         .map_err(|e| Error::exchange(name.to_owned(), crate::describe(&e)))
 }
 
-/// Binds the queue `name` to the exchange of its name.
-async fn bind_queue(channel: &Channel, name: &str) -> Result<()> {
+/// Binds `queue` to the fanout `exchange`.
+async fn bind_queue(channel: &Channel, queue: &str, exchange: &str) -> Result<()> {
     channel
         .queue_bind(
-            name.into(),
-            name.into(),
+            queue.into(),
+            exchange.into(),
             "".into(),
             QueueBindOptions::default(),
             FieldTable::default(),
@@ -178,11 +163,10 @@ async fn bind_queue(channel: &Channel, name: &str) -> Result<()> {
         .await
         .map_err(|e| {
             Error::topology(
-                name.to_owned(),
-                format!("binding it to its exchange: {}", crate::describe(&e)),
+                queue.to_owned(),
+                format!("binding it to exchange `{exchange}`: {}", crate::describe(&e)),
             )
-        })?;
-    Ok(())
+        })
 }
 
 /// Declares `queue` durable, of `kind`, with no other argument: a queue the

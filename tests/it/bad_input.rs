@@ -257,3 +257,62 @@ async fn a_body_that_is_not_its_event_is_set_aside_before_any_transaction_even_w
         assert!(reason.starts_with("body is not a valid `Counted`"), "{reason}");
     }
 }
+
+#[actix_rt::test]
+async fn a_consumed_body_is_parsed_once_per_message_in_batches_and_alone() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    /// Bodies parsed into `Parsed`, by this test alone.
+    static PARSES: AtomicUsize = AtomicUsize::new(0);
+    fn counted<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
+        PARSES.fetch_add(1, Ordering::SeqCst);
+        <i64 as serde::Deserialize>::deserialize(deserializer)
+    }
+    #[derive(Debug, serde::Serialize, serde::Deserialize)]
+    struct Parsed {
+        #[serde(deserialize_with = "counted")]
+        key: i64,
+    }
+    impl inbox::IntegrationEvent for Parsed {
+        const TYPE: &'static str = "Parsed";
+    }
+    struct CountParsed;
+    impl inbox::EventHandler<Parsed> for CountParsed {
+        async fn handle(
+            &self,
+            event: &Parsed,
+            uow: &mut inbox::UnitOfWork,
+        ) -> Result<(), inbox::HandlerError> {
+            crate::support::increment(uow, "counts", event.key).await
+        }
+    }
+    for (batch_size, keys) in [(1, 0..10), (8, 10..26)] {
+        let env = TestEnv::new(&format!("parsed_once_{batch_size}")).await;
+        let mut settings = env.settings();
+        settings.queues[0].batch_size = batch_size;
+        let runtime = Runtime::builder(settings.valid())
+            .handler(CountParsed)
+            .start()
+            .await
+            .unwrap();
+        let before = PARSES.load(Ordering::SeqCst);
+        let publisher = runtime.publisher().clone();
+        let count = keys.clone().count();
+        for key in keys {
+            publisher
+                .publish(&env.queue, &Message::new(Parsed { key }))
+                .await
+                .unwrap();
+        }
+        wait_until("all are processed", || async {
+            runtime.stats().completed == count as u64
+        })
+        .await;
+        runtime.shutdown().await;
+        // Decoded before the transaction, and the handler takes that event.
+        assert_eq!(
+            PARSES.load(Ordering::SeqCst) - before,
+            count,
+            "batch size {batch_size}: one parse per message"
+        );
+    }
+}
