@@ -236,7 +236,7 @@ async fn run() -> Result<()> {
         .map_err(Error::from)?;
 
     let mut settings = common::settings()?.into_inner();
-    settings.database.name = Some(DATABASE.into());
+    settings.database.set_dbname(DATABASE)?;
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
     common::recreate_database(&settings, DATABASE).await?;
@@ -1025,7 +1025,7 @@ async fn actor_hop(round_trips: u64) -> Result<()> {
 ///   a consumer (an upper bound of commit-to-confirm).
 async fn outbox(rows: usize) -> Result<()> {
     let mut settings = common::settings()?.into_inner();
-    settings.database.name = Some(DATABASE.into());
+    settings.database.set_dbname(DATABASE)?;
     settings.queues.clear();
     common::recreate_database(&settings, DATABASE).await?;
     let pool = inbox::internal::create_pool(&settings)?;

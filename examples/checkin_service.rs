@@ -8,9 +8,10 @@
 //! ```
 //!
 //! It uses the database `checkin` (created if missing) unless
-//! `DATABASE_URL` or the settings name another. `--remove` drops that
-//! database and deletes the queue and the queues kept beside it, then
-//! exits: what the quickstart created, gone.
+//! `DATABASE_URL` or the settings' `database.url` name another than the
+//! maintenance database `postgres`. `--remove` drops that database (not
+//! one `DATABASE_URL` names) and deletes the queue and the queues kept
+//! beside it, then exits: what the quickstart created, gone.
 //!
 //! With `--batch-size N` above 1 the queue runs batches of up to N
 //! deliveries (`queues[].batch_size`), which the handlers write with one
@@ -95,7 +96,7 @@ async fn run() -> common::Result<()> {
         Some(address) => Some((address, common::install_prometheus()?)),
         None => None,
     };
-    if let Some(name) = settings.database.name.clone() {
+    if let Some(name) = common::own_database(&settings) {
         common::create_database(&settings, &name).await?;
     }
     if common::arg("--batch-size").is_some() {
@@ -291,8 +292,8 @@ async fn remove(settings: &inbox_actors::Settings) -> common::Result<()> {
         }
     }
     connection.close(200, "removed".into()).await?;
-    if let Some(name) = &settings.database.name {
-        common::drop_database(settings, name).await?;
+    if let Some(name) = common::own_database(settings) {
+        common::drop_database(settings, &name).await?;
         println!("dropped database {name}");
     }
     Ok(())

@@ -58,12 +58,15 @@ pub enum Stage {
     Transaction,
     /// Another message of the batch took the transaction down.
     Batch,
-    /// Waiting for a turn to run a batch's handlers.
-    BatchLane,
-    /// The handler actor could not be reached.
-    HandlerActor,
-    /// The dedup actor could not be reached.
-    DedupActor,
+    /// Waiting for a turn to run a batch's handlers (a lane of
+    /// `queues[].concurrent_batches`).
+    BatchTurn,
+    /// Calling the handlers: their host could not be reached (it stopped,
+    /// or did not answer).
+    HandlerCall,
+    /// Handing the delivery over to the part of the runtime that runs its
+    /// transaction, which could not be reached.
+    Handover,
     /// The runtime itself (a panic outside the handlers).
     Runtime,
     /// A handler, by its [`EventHandler::name`](crate::EventHandler::name).
@@ -89,9 +92,9 @@ impl Stage {
         Stage::Commit,
         Stage::Transaction,
         Stage::Batch,
-        Stage::BatchLane,
-        Stage::HandlerActor,
-        Stage::DedupActor,
+        Stage::BatchTurn,
+        Stage::HandlerCall,
+        Stage::Handover,
         Stage::Runtime,
     ];
 }
@@ -115,9 +118,10 @@ impl fmt::Display for Stage {
             Stage::Commit => "commit",
             Stage::Transaction => "transaction",
             Stage::Batch => "batch",
-            Stage::BatchLane => "batch lane",
-            Stage::HandlerActor => "handler actor",
-            Stage::DedupActor => "dedup actor",
+            // The actors of inbox-actors that these stages reach.
+            Stage::BatchTurn => "batch lane",
+            Stage::HandlerCall => "handler actor",
+            Stage::Handover => "dedup actor",
             Stage::Runtime => "runtime",
             Stage::Handler(name) => name,
         })

@@ -153,7 +153,7 @@ async fn run() -> Result<bool> {
     let queue = format!("faults.checkin.{}", inbox::uuid::Uuid::now_v7());
     settings.queues = vec![QueueSettings::new(&queue)];
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
-    settings.database.name = Some(DATABASE.into());
+    settings.database.set_dbname(DATABASE)?;
     // This binary is target/<profile>/deps/fault_suite-<hash>; the example
     // is target/<profile>/examples/checkin_service.
     let exe = std::env::current_exe().map_err(|e| fail(format!("where am I: {e}")))?;
@@ -304,7 +304,7 @@ impl Suite {
                 },
             ])
             .env("DATABASE_URL", &self.database_url)
-            .env("AMQP_URL", &self.settings.message_bus.amqp_url)
+            .env("AMQP_URL", &self.settings.message_bus.amqp_urls[0])
             .env("INBOX__FAILURE__DELAYS", DELAYS)
             .env("INBOX__FAILURE__IMMEDIATE_RETRIES", "1")
             .env("INBOX__RUNTIME__SHUTDOWN_TIMEOUT", "10s")
@@ -782,7 +782,7 @@ async fn wait_for_queue(settings: &Settings, queue: &str) -> Result<()> {
 /// A connection to the first broker (or cluster node) that takes one.
 async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
     let mut last = None;
-    for url in settings.amqp_urls() {
+    for url in &settings.message_bus.amqp_urls {
         match Connection::connect(url, Default::default()).await {
             Ok(connection) => return Ok(Arc::new(connection)),
             Err(e) => last = Some(e),

@@ -122,7 +122,7 @@ impl Work {
         let _running = lane
             .acquire()
             .await
-            .map_err(|e| Abandoned::new(Stage::BatchLane, e))?;
+            .map_err(|e| Abandoned::new(Stage::BatchTurn, e))?;
         // Positions in `members` and `keys` of the messages to process.
         let mut claimed = Vec::with_capacity(members.len());
         for (position, claim) in claims.into_iter().enumerate() {
@@ -209,7 +209,7 @@ impl Work {
                         "another message of the batch panicked",
                     ));
                 }
-                Err(e) => return Err(Abandoned::new(Stage::HandlerActor, e)),
+                Err(e) => return Err(Abandoned::new(Stage::HandlerCall, e)),
             };
             // This message alone is undone; the batch goes on.
             uow = uow
@@ -268,7 +268,7 @@ impl Work {
                     let reason = format!("a handler panicked on the batch: {failure:?}");
                     return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
                 }
-                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerActor, e)),
+                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerCall, e)),
             }
         }
         for &position in claimed {

@@ -307,7 +307,7 @@ impl Work {
             }
             // The unit of work went down with the message: its connection
             // was discarded.
-            Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerActor, e)),
+            Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerCall, e)),
         }
     }
 }

@@ -78,7 +78,8 @@ impl Dialect {
         handled: HandledTypes,
     ) -> Self {
         let broker = settings
-            .amqp_urls()
+            .message_bus
+            .amqp_urls
             .first()
             .and_then(|url| url.parse::<inbox::internal::lapin::uri::AMQPUri>().ok());
         let input_address = match broker {
@@ -268,7 +269,7 @@ impl Settler {
             concurrent_batches: self.concurrent_batches,
         };
         let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-            let abandoned = Abandoned::new(Stage::DedupActor, e);
+            let abandoned = Abandoned::new(Stage::Handover, e);
             vec![Outcome::Abandoned(abandoned); batch.len()]
         });
         // The ones to ack go together, often as one `multiple` ack; the
@@ -368,7 +369,7 @@ impl Settler {
                         self.dedup
                             .send(deliver)
                             .await
-                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new(Stage::DedupActor, e)))
+                            .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new(Stage::Handover, e)))
                     }
                 };
                 match inbox::internal::decide(outcome, &history, &self.failure) {

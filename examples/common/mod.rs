@@ -21,7 +21,8 @@ pub(crate) type Result<T, E = BoxError> = std::result::Result<T, E>;
 pub(crate) const DEFAULT_QUEUE: &str = "checkin.attendee-checked-in";
 
 /// The database the check-in service uses unless `DATABASE_URL` or the
-/// settings name one.
+/// settings' `database.url` name another than the server's maintenance
+/// database `postgres` (the built-in default).
 pub(crate) const DEFAULT_DATABASE: &str = "checkin";
 
 /// An attendee checked in to a session.
@@ -305,11 +306,11 @@ pub(crate) async fn drop_database(settings: &Settings, name: &str) -> Result<()>
     Ok(())
 }
 
-/// A connection to the database `database.url` names, whatever
-/// `database.name` says.
+/// A connection to the maintenance database `postgres` on the server
+/// `database.url` names.
 async fn admin(settings: &Settings) -> Result<inbox_actors::tools::deadpool_postgres::Object> {
     let mut admin = settings.clone();
-    admin.database.name = None;
+    admin.database.set_dbname("postgres")?;
     let pool = inbox_actors::tools::create_pool(&admin)?;
     Ok(inbox_actors::tools::wait_for_database(&pool, &admin).await?)
 }
@@ -333,31 +334,42 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 }
 
 /// `config/` (with `INBOX_ENV`) and `INBOX__…`, then `DATABASE_URL` and
-/// `AMQP_URL` (else the database [`DEFAULT_DATABASE`] on the configured
-/// server), then `--queue`: the queue to consume (default
-/// [`DEFAULT_QUEUE`] when the settings list none).
+/// `AMQP_URL` (else the database [`DEFAULT_DATABASE`] in place of the
+/// maintenance database `postgres`), then `--queue`: the queue to consume
+/// (default [`DEFAULT_QUEUE`] when the settings list none).
 pub(crate) fn settings() -> Result<ValidSettings> {
-    let settings = Settings::load()?.with(|settings| {
-        if settings.database.name.is_none() && std::env::var_os("DATABASE_URL").is_none() {
-            settings.database.name = Some(DEFAULT_DATABASE.into());
+    let mut settings = Settings::load()?.into_inner();
+    if own_database(&settings).as_deref() == Some("postgres") {
+        settings.database.set_dbname(DEFAULT_DATABASE)?;
+    }
+    settings.apply_conventional_urls();
+    match arg("--wire").as_deref() {
+        Some("masstransit") => settings.message_bus.wire = inbox_actors::Wire::Masstransit,
+        Some("inbox") => settings.message_bus.wire = inbox_actors::Wire::Inbox,
+        Some(other) => {
+            eprintln!("--wire takes inbox or masstransit, not `{other}`");
+            std::process::exit(2);
         }
-        settings.apply_conventional_urls();
-        match arg("--wire").as_deref() {
-            Some("masstransit") => settings.message_bus.wire = inbox_actors::Wire::Masstransit,
-            Some("inbox") => settings.message_bus.wire = inbox_actors::Wire::Inbox,
-            Some(other) => {
-                eprintln!("--wire takes inbox or masstransit, not `{other}`");
-                std::process::exit(2);
-            }
-            None => {}
-        }
-        if let Some(queue) = arg("--queue") {
-            settings.queues = vec![QueueSettings::new(queue)];
-        } else if settings.queues.is_empty() {
-            settings.queues = vec![QueueSettings::new(DEFAULT_QUEUE)];
-        }
-    })?;
-    Ok(settings)
+        None => {}
+    }
+    if let Some(queue) = arg("--queue") {
+        settings.queues = vec![QueueSettings::new(queue)];
+    } else if settings.queues.is_empty() {
+        settings.queues = vec![QueueSettings::new(DEFAULT_QUEUE)];
+    }
+    Ok(settings.validate()?)
+}
+
+/// The database the service creates at start when missing, and `--remove`
+/// drops: the one `database.url` names (PostgreSQL's default, the user's
+/// name, when it names none), unless `DATABASE_URL` is set: then the
+/// service uses that database as it is.
+pub(crate) fn own_database(settings: &Settings) -> Option<String> {
+    if std::env::var_os("DATABASE_URL").is_some() {
+        return None;
+    }
+    let config = settings.pg_config().ok()?;
+    config.get_dbname().or(config.get_user()).map(str::to_owned)
 }
 
 /// Installs the Prometheus recorder as the `metrics` facade's, with every

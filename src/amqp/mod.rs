@@ -41,8 +41,8 @@ pub use crate::names::{error_queue, retry_queue, skipped_queue};
 /// of a cluster, and a reconnect starts at another node than the last.
 static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
 
-/// Connects to the broker (`message_bus.amqp_url`, or the nodes of
-/// `message_bus.amqp_urls` in turn). `name` shows in the broker's
+/// Connects to the broker (`message_bus.amqp_urls`: the one URL, or the
+/// nodes of a cluster in turn). `name` shows in the broker's
 /// connection list.
 ///
 /// Tries again for up to `message_bus.connect_timeout`: a broker that is
@@ -62,7 +62,13 @@ static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
 /// lapin's recovery and opened a new connection would find the old one
 /// recovered behind it too, consuming deliveries nobody settles.
 pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
-    let urls = settings.amqp_urls();
+    let urls = &settings.message_bus.amqp_urls;
+    if urls.is_empty() {
+        return Err(Error::setting(
+            "message_bus.amqp_urls",
+            "is empty: name the broker, or the nodes of its cluster",
+        ));
+    }
     let timeout = settings.message_bus.connect_timeout;
     let per_node = match urls.len() {
         1 => timeout,
@@ -73,7 +79,7 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
     let mut next = NEXT_BROKER.fetch_add(1, Ordering::Relaxed);
     let mut tried_in_round = 0;
     loop {
-        let url = urls[next % urls.len()];
+        let url = urls[next % urls.len()].as_str();
         next = next.wrapping_add(1);
         tried_in_round += 1;
         let endpoint = crate::settings::broker_endpoint(url);

@@ -3,14 +3,19 @@
 
 use std::time::Duration;
 
-use super::Settings;
+use super::{DatabaseSettings, Settings};
 use crate::error::{Error, Result};
 
 impl Settings {
     /// Where the brokers are, for logs and errors: each one's
     /// `host:port/vhost`, comma-separated; never a password.
     pub fn broker_endpoint(&self) -> String {
-        let endpoints: Vec<String> = self.amqp_urls().into_iter().map(broker_endpoint).collect();
+        let endpoints: Vec<String> = self
+            .message_bus
+            .amqp_urls
+            .iter()
+            .map(|url| broker_endpoint(url))
+            .collect();
         endpoints.join(",")
     }
 
@@ -38,7 +43,7 @@ impl Settings {
     }
 
     /// The PostgreSQL connection settings: `database.url` with
-    /// `database.name`, `database.connect_timeout` and, for every session,
+    /// `database.connect_timeout` and, for every session,
     /// `database.lock_timeout` applied.
     pub fn pg_config(&self) -> Result<tokio_postgres::Config> {
         let db = &self.database;
@@ -46,9 +51,6 @@ impl Settings {
             .url
             .parse()
             .map_err(|e| Error::setting("database.url", format!("not a PostgreSQL URL: {e}")))?;
-        if let Some(name) = &db.name {
-            config.dbname(name);
-        }
         config.connect_timeout(db.connect_timeout);
         // A peer that vanished without closing: keepalives find an idle
         // connection dead within about 30 s, and unacknowledged writes fail
@@ -76,6 +78,63 @@ impl Settings {
         config.options(&options);
         Ok(config)
     }
+}
+
+impl DatabaseSettings {
+    /// The database `url` names, if it names one (PostgreSQL's default is
+    /// the user's name) and reads as a PostgreSQL URL.
+    pub fn dbname(&self) -> Option<String> {
+        let config: tokio_postgres::Config = self.url.parse().ok()?;
+        config.get_dbname().map(str::to_owned)
+    }
+
+    /// Names database `name` in `url`, keeping the server, the user and the
+    /// options: in a URL, its path becomes `/name` (percent-encoded); in a
+    /// `key=value` string, a `dbname` is added, which wins over any before
+    /// it. Fails, naming `database.url`, when `url` is neither.
+    pub fn set_dbname(&mut self, name: &str) -> Result<()> {
+        let not_a_url =
+            |e: tokio_postgres::Error| Error::setting("database.url", format!("not a PostgreSQL URL: {e}"));
+        self.url.parse::<tokio_postgres::Config>().map_err(not_a_url)?;
+        let renamed = match self.url.split_once("://") {
+            Some((scheme, rest)) => {
+                // The authority ends at the path, the query or the fragment;
+                // the path, at the query or the fragment.
+                let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+                let (authority, tail) = rest.split_at(authority_end);
+                let query = tail.strip_prefix('/').unwrap_or(tail);
+                let query = &query[query.find(['?', '#']).unwrap_or(query.len())..];
+                format!("{scheme}://{authority}/{}{query}", percent_encode(name))
+            }
+            None => {
+                let quoted = name.replace('\\', "\\\\").replace('\'', "\\'");
+                format!("{} dbname='{quoted}'", self.url.trim_end())
+            }
+        };
+        let config: tokio_postgres::Config = renamed.parse().map_err(not_a_url)?;
+        if config.get_dbname() != Some(name) {
+            return Err(Error::setting(
+                "database.url",
+                format!("cannot name database `{name}` in it"),
+            ));
+        }
+        self.url = renamed;
+        Ok(())
+    }
+}
+
+/// `text` with every byte but the unreserved ones of RFC 3986 as `%XX`, as
+/// a URL's path segment.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
 }
 
 /// Where the broker `url` names is, for logs and errors: `host:port`, then

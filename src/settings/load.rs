@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::{Settings, ValidSettings};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 impl Settings {
     /// Loads `default.toml`, `{INBOX_ENV}.toml` and the
@@ -38,16 +38,19 @@ impl Settings {
     ) -> Result<ValidSettings> {
         use config::{Config, Environment, File};
         let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
+        // Each layer read on its own, so that an old spelling can be
+        // weighed against the new one by the layer that set it.
+        let layer = |source| Config::builder().add_source(source).build();
         // default.toml is optional (the built-in defaults are the same values);
         // a named environment whose file is missing is a mistake worth stopping for.
-        let mut builder = Config::builder().add_source(File::with_name(&path("default")).required(false));
+        let mut layers = vec![layer(File::with_name(&path("default")).required(false))?];
         let mut files: Vec<String> = Some(dir.join("default.toml"))
             .filter(|file| file.is_file())
             .map(|file| file.display().to_string())
             .into_iter()
             .collect();
         if let Some(env) = inbox_env {
-            builder = builder.add_source(File::with_name(&path(env)).required(true));
+            layers.push(layer(File::with_name(&path(env)).required(true))?);
             files.push(dir.join(format!("{env}.toml")).display().to_string());
         }
         if files.is_empty() {
@@ -60,31 +63,141 @@ impl Settings {
         } else {
             tracing::info!(files = %files.join(", "), "settings loaded");
         }
-        let settings: Settings = builder
-            .add_source(
-                Environment::with_prefix("INBOX")
-                    .prefix_separator("__")
-                    .separator("__")
-                    .try_parsing(true)
-                    .list_separator(",")
-                    .with_list_parse_key("failure.delays")
-                    .with_list_parse_key("message_bus.amqp_urls")
-                    .source(vars),
-            )
-            .build()?
-            .try_deserialize()?;
+        layers.push(
+            Config::builder()
+                .add_source(
+                    Environment::with_prefix("INBOX")
+                        .prefix_separator("__")
+                        .separator("__")
+                        .try_parsing(true)
+                        .list_separator(",")
+                        .with_list_parse_key("failure.delays")
+                        .with_list_parse_key("message_bus.amqp_urls")
+                        .source(vars),
+                )
+                .build()?,
+        );
+        let old = OldSpellings::of(&layers)?;
+        let layered = layers
+            .into_iter()
+            .fold(Config::builder(), |builder, layer| builder.add_source(layer))
+            .build()?;
+        let mut tree = config::Source::collect(&layered)?;
+        OldSpellings::remove(&mut tree);
+        let mut settings: Settings = config::Value::from(tree).try_deserialize()?;
+        old.apply(&mut settings)?;
         settings.validate()
     }
 
     /// Applies the conventional `DATABASE_URL` and `AMQP_URL` environment
-    /// variables, where set, over `database.url` and `message_bus.amqp_url`.
+    /// variables, where set: `DATABASE_URL` replaces `database.url`;
+    /// `AMQP_URL` replaces `message_bus.amqp_urls` unless they list the
+    /// nodes of a cluster (two or more), which one URL cannot describe.
     pub fn apply_conventional_urls(&mut self) {
         if let Ok(url) = std::env::var("DATABASE_URL") {
             self.database.url = url;
         }
-        if let Ok(url) = std::env::var("AMQP_URL") {
-            self.message_bus.amqp_url = url;
+        if let Ok(url) = std::env::var("AMQP_URL")
+            && self.message_bus.amqp_urls.len() < 2
+        {
+            self.message_bus.amqp_urls = vec![url];
         }
+    }
+}
+
+/// The spellings earlier versions read, still honoured so that an existing
+/// settings file or environment keeps meaning what it meant, each with a
+/// WARN naming the key that replaces it:
+/// - `message_bus.amqp_url`, one broker: read as `amqp_urls`, a list of
+///   one, when the last layer that sets either sets it (a layer that sets
+///   both means its `amqp_urls`, as before, unless that list is empty);
+/// - `database.name`: written into `database.url`, whichever layer set it.
+struct OldSpellings {
+    /// The one broker, when `amqp_url` is the spelling that wins.
+    amqp_url: Option<String>,
+    /// Whether an `amqp_url` lost to `amqp_urls` (worth a WARN).
+    amqp_url_ignored: bool,
+    database_name: Option<String>,
+}
+
+impl OldSpellings {
+    /// What the old keys say in `layers`, earliest first.
+    fn of(layers: &[config::Config]) -> Result<Self> {
+        let text = |layer: &config::Config, key: &str| -> Result<Option<String>> {
+            match layer.get::<Option<String>>(key) {
+                Ok(text) => Ok(text),
+                Err(config::ConfigError::NotFound(_)) => Ok(None),
+                Err(e) => Err(Error::setting(key, e.to_string())),
+            }
+        };
+        let lists_brokers = |layer: &config::Config| {
+            layer
+                .get::<config::Value>("message_bus.amqp_urls")
+                .is_ok_and(|urls| urls.into_array().map_or(true, |urls| !urls.is_empty()))
+        };
+        let mut old = Self {
+            amqp_url: None,
+            amqp_url_ignored: false,
+            database_name: None,
+        };
+        for layer in layers {
+            if let Some(url) = text(layer, "message_bus.amqp_url")? {
+                old.amqp_url_ignored = lists_brokers(layer);
+                old.amqp_url = (!old.amqp_url_ignored).then_some(url);
+            } else if lists_brokers(layer) {
+                old.amqp_url_ignored |= old.amqp_url.take().is_some();
+            }
+            if let Some(name) = text(layer, "database.name")? {
+                old.database_name = Some(name);
+            }
+        }
+        Ok(old)
+    }
+
+    /// Takes the old keys out of the layered `tree`, so that what remains
+    /// reads as [`Settings`] (which refuses unknown keys).
+    fn remove(tree: &mut config::Map<String, config::Value>) {
+        for (section, key) in [("message_bus", "amqp_url"), ("database", "name")] {
+            if let Some(table) = tree.get_mut(section)
+                && let Ok(mut entries) = table.clone().into_table()
+                && entries.remove(key).is_some()
+            {
+                *table = config::Value::from(entries);
+            }
+        }
+    }
+
+    /// Applies what the old keys said to `settings`, read without them.
+    fn apply(self, settings: &mut Settings) -> Result<()> {
+        if let Some(url) = self.amqp_url {
+            url.parse::<lapin::uri::AMQPUri>()
+                .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
+            tracing::warn!(
+                "message_bus.amqp_url is read as message_bus.amqp_urls, a list of one: \
+                 rename it, amqp_url will not be read in a later version"
+            );
+            settings.message_bus.amqp_urls = vec![url];
+        } else if self.amqp_url_ignored {
+            tracing::warn!(
+                "message_bus.amqp_url is ignored: message_bus.amqp_urls, set in the same or a later layer, \
+                 names the brokers"
+            );
+        }
+        if let Some(name) = self.database_name {
+            if name.is_empty() {
+                return Err(Error::setting(
+                    "database.name",
+                    "is empty; leave it unset to use the url's database",
+                ));
+            }
+            settings.database.set_dbname(&name)?;
+            tracing::warn!(
+                database = %name,
+                "database.name is written into database.url: name the database there \
+                 (postgres://host/{name}); database.name will not be read in a later version"
+            );
+        }
+        Ok(())
     }
 }
 

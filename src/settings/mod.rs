@@ -79,8 +79,7 @@ pub enum Wire {
     Masstransit,
 }
 
-/// `[message_bus]`. Its `Debug` hides the passwords in `amqp_url` and
-/// `amqp_urls`.
+/// `[message_bus]`. Its `Debug` hides the passwords in `amqp_urls`.
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MessageBusSettings {
@@ -90,13 +89,16 @@ pub struct MessageBusSettings {
     /// (MassTransit 8's envelope, topology and fault conventions). Default
     /// `inbox`.
     pub wire: Wire,
-    /// `amqp_url`: the broker. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
-    pub amqp_url: String,
-    /// `amqp_urls`: the nodes of a RabbitMQ cluster, one URL each. When set,
-    /// it replaces `amqp_url`: every connection (consumers, the publisher,
+    /// `amqp_urls`: the broker, as one URL, or the nodes of a RabbitMQ
+    /// cluster, one URL each. Every connection (consumers, the publisher,
     /// the outbox dispatcher) goes to the next node in turn, and a failed
-    /// attempt moves on to the next. Default empty: `amqp_url` alone. See
-    /// [`Settings::amqp_urls`].
+    /// attempt moves on to the next. A settings file may give one URL as a
+    /// string; the environment a comma-separated list. Default
+    /// `["amqp://guest:guest@127.0.0.1:5672/%2f"]`.
+    ///
+    /// `amqp_url`, the one-broker spelling of earlier versions, is still
+    /// read (with a WARN naming this key) where `amqp_urls` is not set.
+    #[serde(deserialize_with = "one_or_many")]
     pub amqp_urls: Vec<String>,
     /// `exchange`: where [publishing](crate::AmqpPublisher) sends events.
     /// Default `""`, the default exchange, where the routing key is the queue name.
@@ -137,8 +139,7 @@ impl Default for MessageBusSettings {
         Self {
             provider: Provider::Rabbitmq,
             wire: Wire::Inbox,
-            amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
-            amqp_urls: Vec::new(),
+            amqp_urls: vec![DEFAULT_AMQP_URL.into()],
             exchange: String::new(),
             enable_inbox: None,
             enable_outbox: None,
@@ -154,7 +155,6 @@ impl std::fmt::Debug for MessageBusSettings {
         f.debug_struct("MessageBusSettings")
             .field("provider", &self.provider)
             .field("wire", &self.wire)
-            .field("amqp_url", &redact(&self.amqp_url))
             .field(
                 "amqp_urls",
                 &self.amqp_urls.iter().map(|url| redact(url)).collect::<Vec<_>>(),
@@ -173,10 +173,16 @@ impl std::fmt::Debug for MessageBusSettings {
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatabaseSettings {
-    /// `url`: PostgreSQL connection URL. Default `postgres://postgres@127.0.0.1:5432/postgres`.
+    /// `url`: where the database is, and which: a PostgreSQL URL
+    /// (`postgres://user:password@host:port/dbname`) or `key=value`
+    /// connection string. [`DatabaseSettings::set_dbname`] names another
+    /// database on the same server. Default
+    /// `postgres://postgres@127.0.0.1:5432/postgres`.
+    ///
+    /// `name`, a database name that replaced the one in `url` in earlier
+    /// versions, is still read (with a WARN naming this key): it is written
+    /// into `url` as the settings load.
     pub url: String,
-    /// `name`: a database name that replaces the one in `url`. Default unset.
-    pub name: Option<String>,
     /// `pool_size`: connections in the inbox pool. Each message in flight
     /// holds one, so keep it at least the sum of the queues' `prefetch`.
     /// Default 20.
@@ -211,7 +217,6 @@ impl std::fmt::Debug for DatabaseSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DatabaseSettings")
             .field("url", &redact(&self.url))
-            .field("name", &self.name)
             .field("pool_size", &self.pool_size)
             .field("run_migrations", &self.run_migrations)
             .field("lock_timeout", &self.lock_timeout)
@@ -225,7 +230,6 @@ impl Default for DatabaseSettings {
     fn default() -> Self {
         Self {
             url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
-            name: None,
             pool_size: 20,
             run_migrations: true,
             lock_timeout: Duration::from_secs(5),
@@ -505,13 +509,25 @@ impl Settings {
             .enable_outbox
             .unwrap_or(self.message_bus.provider != Provider::InProcess)
     }
+}
 
-    /// The brokers to connect to, in order: `message_bus.amqp_urls` when
-    /// set, else `message_bus.amqp_url` alone.
-    pub fn amqp_urls(&self) -> Vec<&str> {
-        match self.message_bus.amqp_urls.as_slice() {
-            [] => vec![self.message_bus.amqp_url.as_str()],
-            urls => urls.iter().map(String::as_str).collect(),
-        }
+/// The broker [`MessageBusSettings::amqp_urls`] names by default: RabbitMQ
+/// on this machine, as installed.
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// A list of strings, or one string as a list of one: `amqp_urls =
+/// "amqp://.."` in a settings file names one broker.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
     }
+    Ok(match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(url) => vec![url],
+        OneOrMany::Many(urls) => urls,
+    })
 }

@@ -93,7 +93,7 @@ fn layers_apply_in_order_default_file_env_file_environment() {
         "environment wins over both files"
     );
     assert_eq!(
-        settings.database.name.as_deref(),
+        settings.database.dbname().as_deref(),
         Some("from_default"),
         "default file applies"
     );
@@ -141,6 +141,12 @@ fn invalid_values_name_their_key() {
             "http://nope",
             "message_bus.amqp_url",
         ),
+        (
+            "INBOX__MESSAGE_BUS__AMQP_URLS",
+            "amqp://a,http://nope",
+            "message_bus.amqp_urls[1]",
+        ),
+        ("INBOX__DATABASE__NAME", "", "database.name"),
         (
             "INBOX__RUNTIME__SHUTDOWN_TIMEOUT",
             "0s",
@@ -258,7 +264,7 @@ fn the_settings_folder_is_inbox_config_dir_or_config() {
 #[test]
 fn no_password_shows_in_debug_or_endpoints() {
     let mut settings = Settings::default();
-    settings.message_bus.amqp_url = "amqp://app:s3cret-bus@broker.internal:5673/prod".into();
+    settings.message_bus.amqp_urls = vec!["amqp://app:s3cret-bus@broker.internal:5673/prod".into()];
     settings.database.url = "postgres://app:s3cret-db@db.internal:5433/orders?sslmode=disable".into();
     let shown = format!(
         "{settings:?} {} {}",
@@ -298,10 +304,83 @@ fn no_password_shows_in_debug_or_endpoints() {
 }
 
 #[test]
-fn database_name_replaces_the_urls_database() {
+fn set_dbname_names_another_database_on_the_same_server() {
+    let cases = [
+        (
+            "postgres://u:pw@h:5433/orders?sslmode=disable",
+            "postgres://u:pw@h:5433/billing?sslmode=disable",
+        ),
+        ("postgres://h", "postgres://h/billing"),
+        (
+            "postgresql://h/?application_name=a",
+            "postgresql://h/billing?application_name=a",
+        ),
+        (
+            "postgres:///orders?host=/run/pg",
+            "postgres:///billing?host=/run/pg",
+        ),
+        (
+            "host=h user=u dbname=orders",
+            "host=h user=u dbname=orders dbname='billing'",
+        ),
+    ];
+    for (url, renamed) in cases {
+        let mut database = DatabaseSettings {
+            url: url.into(),
+            ..Default::default()
+        };
+        database.set_dbname("billing").unwrap();
+        assert_eq!(database.url, renamed);
+        assert_eq!(database.dbname().as_deref(), Some("billing"), "{url}");
+    }
+    // Any name survives the trip, in either form.
+    for url in ["postgres://h/x", "host=h"] {
+        let mut database = DatabaseSettings {
+            url: url.into(),
+            ..Default::default()
+        };
+        database.set_dbname("a b/c?'\\é").unwrap();
+        assert_eq!(database.dbname().as_deref(), Some("a b/c?'\\é"), "{url}");
+    }
+    let mut database = DatabaseSettings {
+        url: "mysql://nope".into(),
+        ..Default::default()
+    };
+    let error = database.set_dbname("x").unwrap_err().to_string();
+    assert!(error.contains("database.url"), "{error}");
+}
+
+#[test]
+fn the_old_spellings_still_mean_what_they_meant() {
+    let dir = temp_dir(&[]);
+    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs)).unwrap();
+    // `database.name` is written into the url, whichever layer set it.
+    let settings = load(&[
+        ("INBOX__DATABASE__URL", "postgres://u@h:5433/orders"),
+        ("INBOX__DATABASE__NAME", "billing"),
+    ]);
+    assert_eq!(settings.database.url, "postgres://u@h:5433/billing");
+    // `amqp_url` is a list of one...
+    let settings = load(&[("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672")]);
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://a:5672"]);
+    // ...unless `amqp_urls` is set, which wins, as it did.
+    let settings = load(&[
+        ("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672"),
+        ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
+    ]);
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
+    // A settings file may name one broker as a string.
+    let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = \"amqp://d:5672\"\n")]);
+    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://d:5672"]);
+}
+
+#[test]
+fn an_empty_broker_list_is_an_error_naming_it() {
     let mut settings = Settings::default();
-    settings.database.name = Some("orders".into());
-    assert_eq!(settings.pg_config().unwrap().get_dbname(), Some("orders"));
+    settings.message_bus.amqp_urls.clear();
+    let error = settings.validate().unwrap_err().to_string();
+    assert!(error.contains("message_bus.amqp_urls"), "{error}");
 }
 
 #[test]

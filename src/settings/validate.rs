@@ -53,9 +53,12 @@ impl Settings {
 impl MessageBusSettings {
     fn validate(&self) -> Result<()> {
         if self.provider == Provider::Rabbitmq {
-            self.amqp_url
-                .parse::<lapin::uri::AMQPUri>()
-                .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
+            if self.amqp_urls.is_empty() {
+                return Err(Error::setting(
+                    "message_bus.amqp_urls",
+                    "is empty: name the broker, or the nodes of its cluster",
+                ));
+            }
             for (i, url) in self.amqp_urls.iter().enumerate() {
                 url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
                     Error::setting(
@@ -85,12 +88,6 @@ impl MessageBusSettings {
 
 impl DatabaseSettings {
     fn validate(&self) -> Result<()> {
-        if self.name.as_deref() == Some("") {
-            return Err(Error::setting(
-                "database.name",
-                "is empty; leave it unset to use the url's database",
-            ));
-        }
         if self.pool_size == 0 {
             return Err(Error::setting("database.pool_size", "must be at least 1"));
         }

@@ -463,7 +463,7 @@ async fn two_services_started_together_on_a_fresh_database_both_start() {
         let removed = std::process::Command::new(checkin_service())
             .args(["--remove", "--queue", &queue])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("INBOX__DATABASE__NAME", &database)
+            .env("INBOX__DATABASE__URL", crate::support::database_url_of(&database))
             .output()
             .unwrap();
         assert!(removed.status.success(), "--remove: {removed:?}");

@@ -163,7 +163,8 @@ async fn on_failover_messages_are_held_then_processed_once_on_the_new_primary() 
     let mut settings = env.settings();
     // Both servers; a session must be able to write.
     settings.database.url = format!(
-        "postgres://postgres@127.0.0.1:5432,127.0.0.1:{SECOND_PORT}/postgres?target_session_attrs=read-write"
+        "postgres://postgres@127.0.0.1:5432,127.0.0.1:{SECOND_PORT}/{}?target_session_attrs=read-write",
+        env.database
     );
     settings.queues[0].prefetch = 8;
     let runtime = Runtime::builder(settings.valid())

@@ -124,7 +124,7 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
     let mut settings = env.settings();
     settings.message_bus.provider = Provider::InProcess;
     // Nothing listens there: connecting would fail the start.
-    settings.message_bus.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
+    settings.message_bus.amqp_urls = vec!["amqp://guest:guest@127.0.0.1:1/%2f".into()];
 
     let runtime = Runtime::builder(settings.clone().valid())
         .handler(Count)

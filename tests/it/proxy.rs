@@ -162,7 +162,8 @@ pub(crate) async fn database_through_proxy(settings: &mut inbox::Settings) -> Pr
     let port = real.get_ports().first().copied().unwrap_or(5432);
     let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
     let user = real.get_user().unwrap_or("postgres");
-    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/postgres", proxy.port);
+    let database = real.get_dbname().unwrap_or("postgres");
+    settings.database.url = format!("postgres://{user}@127.0.0.1:{}/{database}", proxy.port);
     settings.database.connect_timeout = std::time::Duration::from_secs(1);
     proxy
 }
@@ -172,7 +173,10 @@ pub(crate) async fn database_through_proxy(settings: &mut inbox::Settings) -> Pr
 /// connect timeout.
 pub(crate) async fn broker_through_proxy(settings: &mut inbox::Settings) -> Proxy {
     let proxy = Proxy::start(([127, 0, 0, 1], 5672).into()).await;
-    settings.message_bus.amqp_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2", proxy.port);
+    settings.message_bus.amqp_urls = vec![format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",
+        proxy.port
+    )];
     settings.message_bus.connect_timeout = std::time::Duration::from_secs(2);
     proxy
 }

@@ -31,7 +31,7 @@ async fn a_broker_down_at_start_is_retried_then_an_error_naming_it() {
     let _capturing = logs.install();
     let mut settings = env.settings();
     let port = closed_port();
-    settings.message_bus.amqp_url = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
+    settings.message_bus.amqp_urls = vec![format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f")];
     settings.message_bus.connect_timeout = Duration::from_secs(2);
     let started = Instant::now();
     let error = start_error(settings).await;
@@ -62,7 +62,7 @@ async fn with_several_brokers_a_node_that_is_down_is_passed_over_for_the_next() 
     let _capturing = logs.install();
     let mut settings = env.settings();
     let port = closed_port();
-    let live = settings.message_bus.amqp_url.clone();
+    let live = settings.message_bus.amqp_urls[0].clone();
     // Three times the dead node: whichever node the rotation starts at, the
     // runtime's connections (its consumer, publisher and outbox) meet it
     // before the live one.
@@ -109,7 +109,7 @@ async fn a_database_down_at_start_is_retried_then_an_error_naming_it() {
     let _capturing = logs.install();
     let mut settings = env.settings();
     let port = closed_port();
-    settings.database.url = format!("postgres://postgres:s3cret@127.0.0.1:{port}/postgres");
+    settings.database.url = format!("postgres://postgres:s3cret@127.0.0.1:{port}/{}", env.database);
     settings.database.connect_timeout = Duration::from_secs(1);
     let error = start_error(settings).await;
     let endpoint = format!("127.0.0.1:{port}/{}", env.database);
@@ -131,7 +131,10 @@ async fn a_database_down_at_start_is_retried_then_an_error_naming_it() {
 async fn a_database_that_does_not_exist_is_one_error_in_the_servers_words() {
     let env = TestEnv::new("database_missing").await;
     let mut settings = env.settings();
-    settings.database.name = Some("inbox_test_no_such_database".into());
+    settings
+        .database
+        .set_dbname("inbox_test_no_such_database")
+        .unwrap();
     let started = Instant::now();
     let error = start_error(settings).await;
     assert!(
@@ -163,6 +166,35 @@ async fn the_settings_files_read_are_logged_and_a_folder_without_any_warns() {
         text.contains("settings loaded") && text.contains(&dir.join("default.toml").display().to_string()),
         "{text}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[actix_rt::test]
+async fn a_settings_file_of_an_earlier_version_means_what_it_meant_with_a_warn_per_old_key() {
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let dir = std::env::temp_dir().join(format!("inbox-startup-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // As the default.toml of earlier versions had them.
+    std::fs::write(
+        dir.join("default.toml"),
+        "[message_bus]\namqp_url = \"amqp://guest:guest@rabbit:5672/%2f\"\namqp_urls = []\n\
+         [database]\nurl = \"postgres://postgres@127.0.0.1:5432/postgres\"\nname = \"orders\"\n",
+    )
+    .unwrap();
+    let settings = Settings::load_from(&dir).unwrap();
+    assert_eq!(
+        settings.message_bus.amqp_urls,
+        ["amqp://guest:guest@rabbit:5672/%2f"]
+    );
+    assert_eq!(settings.database.url, "postgres://postgres@127.0.0.1:5432/orders");
+    let text = logs.text();
+    let warns = |key: &str, new: &str| {
+        text.lines()
+            .any(|line| line.contains("WARN") && line.contains(key) && line.contains(new))
+    };
+    assert!(warns("message_bus.amqp_url ", "message_bus.amqp_urls"), "{text}");
+    assert!(warns("database.name", "database.url"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -58,6 +58,17 @@ fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// The URL of database `name` on the tests' server: what a service's
+/// `database.url` says to use it.
+pub(crate) fn database_url_of(name: &str) -> String {
+    let mut database = inbox::settings::DatabaseSettings {
+        url: database_url(),
+        ..Default::default()
+    };
+    database.set_dbname(name).expect("DATABASE_URL");
+    database.url
+}
+
 pub(crate) fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
@@ -115,9 +126,8 @@ impl TestEnv {
         let mut settings = Settings::load_environment(&dir, "test")
             .expect("config/test.toml")
             .into_inner();
-        settings.database.url = database_url();
-        settings.database.name = Some(self.database.clone());
-        settings.message_bus.amqp_url = amqp_url();
+        settings.database.url = database_url_of(&self.database);
+        settings.message_bus.amqp_urls = vec![amqp_url()];
         settings.queues = vec![QueueSettings::new(&self.queue)];
         settings
     }
@@ -427,7 +437,7 @@ pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> std:
         .args(["--queue", queue])
         .args(extra)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("INBOX__DATABASE__NAME", database)
+        .env("INBOX__DATABASE__URL", database_url_of(database))
         .env("NO_COLOR", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
