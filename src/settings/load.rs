@@ -111,7 +111,9 @@ impl Settings {
 /// - `message_bus.amqp_url`, one broker: read as `amqp_urls`, a list of
 ///   one, when the last layer that sets either sets it (a layer that sets
 ///   both means its `amqp_urls`, as before, unless that list is empty);
-/// - `database.name`: written into `database.url`, whichever layer set it.
+/// - `database.name`: written into `database.url`, whichever layer set it;
+/// - `message_bus.amqp_urls = []`, which meant "`amqp_url` alone": the
+///   default broker, unless `amqp_url` names one.
 struct OldSpellings {
     /// The one broker, when `amqp_url` is the spelling that wins.
     amqp_url: Option<String>,
@@ -155,16 +157,14 @@ impl OldSpellings {
     }
 
     /// Takes the old keys out of the layered `tree`, so that what remains
-    /// reads as [`Settings`] (which refuses unknown keys).
+    /// reads as [`Settings`] (which refuses unknown keys), and an empty
+    /// `amqp_urls`, so that the default applies.
     fn remove(tree: &mut config::Map<String, config::Value>) {
-        for (section, key) in [("message_bus", "amqp_url"), ("database", "name")] {
-            if let Some(table) = tree.get_mut(section)
-                && let Ok(mut entries) = table.clone().into_table()
-                && entries.remove(key).is_some()
-            {
-                *table = config::Value::from(entries);
-            }
-        }
+        let always = |_: &config::Value| true;
+        let empty = |value: &config::Value| value.clone().into_array().is_ok_and(|list| list.is_empty());
+        remove_key(tree, "message_bus", "amqp_url", always);
+        remove_key(tree, "database", "name", always);
+        remove_key(tree, "message_bus", "amqp_urls", empty);
     }
 
     /// Applies what the old keys said to `settings`, read without them.
@@ -198,6 +198,22 @@ impl OldSpellings {
             );
         }
         Ok(())
+    }
+}
+
+/// Removes `section.key` from `tree` if its value passes `when`.
+fn remove_key(
+    tree: &mut config::Map<String, config::Value>,
+    section: &str,
+    key: &str,
+    when: impl Fn(&config::Value) -> bool,
+) {
+    if let Some(table) = tree.get_mut(section)
+        && let Ok(mut entries) = table.clone().into_table()
+        && entries.get(key).is_some_and(when)
+    {
+        entries.remove(key);
+        *table = config::Value::from(entries);
     }
 }
 

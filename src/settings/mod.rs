@@ -94,7 +94,8 @@ pub struct MessageBusSettings {
     /// the outbox dispatcher) goes to the next node in turn, and a failed
     /// attempt moves on to the next. A settings file may give one URL as a
     /// string; the environment a comma-separated list. Default
-    /// `["amqp://guest:guest@127.0.0.1:5672/%2f"]`.
+    /// `["amqp://guest:guest@127.0.0.1:5672/%2f"]`, which an empty list in
+    /// a settings file also means.
     ///
     /// `amqp_url`, the one-broker spelling of earlier versions, is still
     /// read (with a WARN naming this key) where `amqp_urls` is not set.

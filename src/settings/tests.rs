@@ -369,6 +369,13 @@ fn the_old_spellings_still_mean_what_they_meant() {
         ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
     ]);
     assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
+    // An empty list meant `amqp_url` alone: the default broker.
+    let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = []\n")]);
+    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    assert_eq!(
+        settings.message_bus.amqp_urls,
+        MessageBusSettings::default().amqp_urls
+    );
     // A settings file may name one broker as a string.
     let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = \"amqp://d:5672\"\n")]);
     let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
