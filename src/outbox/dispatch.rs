@@ -182,12 +182,13 @@ impl Round {
         let mut outgoing = Vec::with_capacity(claimed.len());
         for row in &claimed {
             rows.push((row.try_get("seq")?, row.try_get("attempts")?));
+            let message_id = row.try_get("message_id")?;
             outgoing.push(Outgoing {
-                message_id: row.try_get("message_id")?,
+                message_id,
                 exchange: row.try_get("exchange")?,
                 routing_key: row.try_get("routing_key")?,
                 message_type: row.try_get("message_type")?,
-                headers: headers(row.try_get("headers")?),
+                headers: headers(row.try_get("headers")?, message_id),
                 body: row.try_get("body")?,
             });
         }

@@ -218,18 +218,34 @@ fn headers_json(headers: &[(String, String)]) -> String {
     serde_json::Value::Object(object).to_string()
 }
 
-/// The row's headers: a JSON object of strings, as staging writes them.
-fn headers(json: &str) -> Vec<(String, String)> {
-    match serde_json::from_str(json) {
-        Ok(serde_json::Value::Object(map)) => map
-            .into_iter()
-            .filter_map(|(key, value)| match value {
-                serde_json::Value::String(text) => Some((key, text)),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
+/// The headers of row `message_id`: a JSON object of strings, as staging
+/// writes them. A row another process wrote may hold anything: what is not
+/// a string (a number, a nested object) is not sent, with a WARN naming
+/// the row and the keys, rather than guessed into an AMQP type.
+fn headers(json: &str, message_id: Uuid) -> Vec<(String, String)> {
+    let map = match serde_json::from_str(json) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => {
+            tracing::warn!(%message_id, "outbox row's headers are not a JSON object: sent without headers");
+            return Vec::new();
+        }
+    };
+    let mut headers = Vec::with_capacity(map.len());
+    let mut dropped = Vec::new();
+    for (key, value) in map {
+        match value {
+            serde_json::Value::String(text) => headers.push((key, text)),
+            _ => dropped.push(crate::fault::truncate(&key, 64).into_owned()),
+        }
     }
+    if !dropped.is_empty() {
+        tracing::warn!(
+            %message_id,
+            dropped = %dropped.join(", "),
+            "outbox row's headers that are not strings are not sent"
+        );
+    }
+    headers
 }
 
 #[cfg(test)]
@@ -257,8 +273,12 @@ mod tests {
     #[test]
     fn headers_go_into_the_row_as_json_and_come_back_as_they_were() {
         let staged = message(1).headers;
-        assert_eq!(headers(&headers_json(&staged)), staged);
-        assert!(headers("not json").is_empty());
+        let id = Uuid::now_v7();
+        assert_eq!(headers(&headers_json(&staged), id), staged);
+        assert!(headers("not json", id).is_empty());
+        // What another process may write: only the strings go.
+        let written = r#"{"a": "x", "n": 1, "nested": {"k": "v"}}"#;
+        assert_eq!(headers(written, id), [("a".to_owned(), "x".to_owned())]);
     }
 
     #[test]

@@ -82,6 +82,35 @@ async fn an_outbox_row_with_a_header_key_past_255_bytes_is_parked_alone_and_the_
 }
 
 #[actix_rt::test]
+async fn an_outbox_row_with_headers_that_are_not_strings_goes_with_its_strings_and_a_warn() {
+    let (env, forward) = with_forward_queue("edge_header_values").await;
+    let logs = crate::support::Captured::default();
+    let _capturing = logs.install();
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
+    // Staging writes strings only; another process may write anything.
+    let written = r#"{"correlation_id": "c-1", "retries": 3, "nested": {"k": "v"}}"#;
+    stage_row(&env, "", &forward, written, 0).await;
+    let runtime = counting(env.settings()).await;
+    wait_until("the row arrives", || async { env.ready(&forward).await == 1 }).await;
+    runtime.shutdown().await;
+    let delivery = env.take(&forward).await.expect("the row's message");
+    assert_eq!(header(&delivery, "correlation_id").as_deref(), Some("c-1"));
+    assert_eq!(header(&delivery, "retries"), None);
+    assert_eq!(header(&delivery, "nested"), None);
+    assert!(parked(&env).await.is_empty());
+    let text = logs.text();
+    assert!(
+        text.lines().any(|line| line.contains("WARN")
+            && line.contains("not strings")
+            && line.contains("retries")
+            && line.contains("nested")),
+        "{text}"
+    );
+}
+
+#[actix_rt::test]
 async fn an_outbox_row_whose_headers_encode_past_a_frame_is_parked_at_once_not_retried_as_an_outage() {
     let (env, forward) = with_forward_queue("edge_frame_size").await;
     inbox::internal::run_migrations(&mut env.db().await)
