@@ -115,11 +115,19 @@ impl Settings {
 /// - `message_bus.amqp_urls = []`, which meant "`amqp_url` alone": the
 ///   default broker, unless `amqp_url` names one.
 struct OldSpellings {
-    /// The one broker, when `amqp_url` is the spelling that wins.
-    amqp_url: Option<String>,
-    /// Whether an `amqp_url` lost to `amqp_urls` (worth a WARN).
-    amqp_url_ignored: bool,
+    amqp_url: OldBroker,
     database_name: Option<String>,
+}
+
+/// What becomes of a `message_bus.amqp_url`.
+#[derive(PartialEq)]
+enum OldBroker {
+    /// No layer sets it.
+    Unset,
+    /// It names the broker: no later layer, nor its own, lists `amqp_urls`.
+    Read(String),
+    /// `amqp_urls`, in its layer or a later one, names the brokers instead.
+    Ignored,
 }
 
 impl OldSpellings {
@@ -138,17 +146,17 @@ impl OldSpellings {
                 .is_ok_and(|urls| urls.into_array().map_or(true, |urls| !urls.is_empty()))
         };
         let mut old = Self {
-            amqp_url: None,
-            amqp_url_ignored: false,
+            amqp_url: OldBroker::Unset,
             database_name: None,
         };
         for layer in layers {
-            if let Some(url) = text(layer, "message_bus.amqp_url")? {
-                old.amqp_url_ignored = lists_brokers(layer);
-                old.amqp_url = (!old.amqp_url_ignored).then_some(url);
-            } else if lists_brokers(layer) {
-                old.amqp_url_ignored |= old.amqp_url.take().is_some();
-            }
+            let url = text(layer, "message_bus.amqp_url")?;
+            old.amqp_url = match (url, lists_brokers(layer)) {
+                (Some(url), false) => OldBroker::Read(url),
+                (Some(_), true) => OldBroker::Ignored,
+                (None, true) if old.amqp_url != OldBroker::Unset => OldBroker::Ignored,
+                (None, _) => old.amqp_url,
+            };
             if let Some(name) = text(layer, "database.name")? {
                 old.database_name = Some(name);
             }
@@ -169,7 +177,7 @@ impl OldSpellings {
 
     /// Applies what the old keys said to `settings`, read without them.
     fn apply(self, settings: &mut Settings) -> Result<()> {
-        if let Some(url) = self.amqp_url {
+        if let OldBroker::Read(url) = self.amqp_url {
             url.parse::<lapin::uri::AMQPUri>()
                 .map_err(|e| Error::setting("message_bus.amqp_url", format!("not an AMQP URL: {e}")))?;
             tracing::warn!(
@@ -177,7 +185,7 @@ impl OldSpellings {
                  rename it, amqp_url will not be read in a later version"
             );
             settings.message_bus.amqp_urls = vec![url];
-        } else if self.amqp_url_ignored {
+        } else if self.amqp_url == OldBroker::Ignored {
             tracing::warn!(
                 "message_bus.amqp_url is ignored: message_bus.amqp_urls, set in the same or a later layer, \
                  names the brokers"

@@ -369,6 +369,19 @@ fn the_old_spellings_still_mean_what_they_meant() {
         ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
     ]);
     assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
+    // Layers weigh as ever: an `amqp_url` in a later layer wins over an
+    // earlier layer's list.
+    let listed = temp_dir(&[(
+        "default.toml",
+        "[message_bus]\namqp_urls = [\"amqp://b:5672\", \"amqp://c:5672\"]\n",
+    )]);
+    let settings = Settings::load_layered(
+        &listed,
+        None,
+        vars(&[("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672")]),
+    )
+    .unwrap();
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://a:5672"]);
     // An empty list meant `amqp_url` alone: the default broker.
     let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = []\n")]);
     let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();

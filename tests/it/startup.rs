@@ -302,3 +302,40 @@ async fn a_publish_the_broker_refuses_with_a_channel_error_does_not_stop_the_nex
         .await
         .unwrap();
 }
+
+#[actix_rt::test]
+async fn the_example_takes_amqp_url_for_one_broker_and_keeps_a_listed_cluster() {
+    let env = TestEnv::new("conventional_amqp_url").await;
+    let dead = format!("amqp://guest:guest@127.0.0.1:{}/%2f", closed_port());
+    let live = crate::support::amqp_url();
+    // (the settings' list, AMQP_URL): each start works only if the rule
+    // holds, since the other URL leads nowhere.
+    let cases = [
+        (vec![dead.clone()], live.clone()),
+        (vec![live.clone(), live.clone()], dead.clone()),
+    ];
+    for (listed, conventional) in cases {
+        let mut service = std::process::Command::new(crate::support::checkin_service())
+            .args(["--queue", &env.queue])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env(
+                "INBOX__DATABASE__URL",
+                crate::support::database_url_of(&env.database),
+            )
+            .env("INBOX__MESSAGE_BUS__AMQP_URLS", listed.join(","))
+            .env("INBOX__MESSAGE_BUS__CONNECT_TIMEOUT", "3s")
+            .env("AMQP_URL", &conventional)
+            .env("NO_COLOR", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (started, log) = crate::support::consumes(&mut service);
+        let _ = service.kill();
+        let _ = service.wait();
+        assert!(
+            started,
+            "amqp_urls {listed:?}, AMQP_URL {conventional}: the service did not start\n{log}"
+        );
+    }
+}
