@@ -17,19 +17,32 @@ use support::{Count, Counted, TestEnv, Valid, amqp, wait_until};
 struct MemoryAlarm;
 
 impl MemoryAlarm {
-    fn raise() -> Self {
-        alarm("set_alarm({{resource_limit, memory, node()}, []})");
+    async fn raise() -> Self {
+        alarm("set_alarm({{resource_limit, memory, node()}, []})").await;
         Self
+    }
+
+    async fn lift(self) {
+        alarm("clear_alarm({resource_limit, memory, node()})").await;
+        std::mem::forget(self);
     }
 }
 
 impl Drop for MemoryAlarm {
     fn drop(&mut self) {
-        alarm("clear_alarm({resource_limit, memory, node()})");
+        alarm_now("clear_alarm({resource_limit, memory, node()})");
     }
 }
 
-fn alarm(call: &str) {
+/// Off the test's thread, which is the runtime's too: rabbitmqctl takes
+/// half a second, and a runtime stopped that long is not what is tested.
+async fn alarm(call: &'static str) {
+    tokio::task::spawn_blocking(move || alarm_now(call))
+        .await
+        .expect("rabbitmqctl ran");
+}
+
+fn alarm_now(call: &str) {
     let output = std::process::Command::new("rabbitmqctl")
         .args(["eval", &format!("rabbit_alarm:{call}.")])
         .output()
@@ -50,37 +63,42 @@ async fn while_the_broker_blocks_publishing_the_outbox_waits_and_sends_each_row_
     let mut settings = env.settings();
     settings.message_bus.confirm_timeout = Duration::from_secs(1);
     settings.outbox.poll_interval = Duration::from_millis(200);
+    // All in one round: every publish is held by the alarm, and once it
+    // lifts each waits for those before it.
+    const ROWS: u16 = 2000;
+    settings.outbox.batch_size = ROWS.into();
     let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .start()
         .await
         .unwrap();
 
-    let alarm = MemoryAlarm::raise();
+    let alarm = MemoryAlarm::raise().await;
     let mut uow = runtime.unit_of_work().await.unwrap();
-    for key in 0..20 {
-        uow.publish(&forward, &Message::new(Counted { key }))
+    for key in 0..ROWS {
+        uow.publish(&forward, &Message::new(Counted { key: key.into() }))
             .await
             .unwrap();
     }
     uow.commit().await.unwrap();
     // Many polls and confirm timeouts: before, each queued another copy of
     // every row in the client, all sent once the alarm lifted.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(env.ready(&forward).await, 0, "nothing passes an alarm");
     assert_eq!(
         env.scalar("SELECT count(*) FROM outbox_messages WHERE attempts > 0")
             .await,
         0
     );
-    drop(alarm);
+    alarm.lift().await;
 
     wait_until("the rows arrive once the alarm lifts", || async {
-        env.ready(&forward).await >= 20 && env.scalar("SELECT count(*) FROM outbox_messages").await == 0
+        env.ready(&forward).await >= u32::from(ROWS)
+            && env.scalar("SELECT count(*) FROM outbox_messages").await == 0
     })
     .await;
     // Room for any copy still on its way.
     tokio::time::sleep(Duration::from_secs(2)).await;
     runtime.shutdown().await;
-    assert_eq!(env.ready(&forward).await, 20, "each row once");
+    assert_eq!(env.ready(&forward).await, u32::from(ROWS), "each row once");
 }

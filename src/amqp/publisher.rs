@@ -36,9 +36,10 @@ use super::{connect, message_properties};
 /// an error of kind [`Unpublishable`](crate::ErrorKind::Unpublishable), rather than close the connection for every
 /// other publish on it. Nothing is sent while the broker blocks the
 /// connection (a resource alarm): a publish waits for the alarm to lift
-/// within its confirm timeout, then fails as an error of kind [`Blocked`](crate::ErrorKind::Blocked). A
-/// returned (unroutable) message is matched to its publish by
-/// `message_id`.
+/// within its confirm timeout, then fails as an error of kind [`Blocked`](crate::ErrorKind::Blocked); one
+/// the broker blocked after it was written waits for its confirm until the
+/// alarm lifts, and its confirm timeout more. A returned (unroutable)
+/// message is matched to its publish by `message_id`.
 #[derive(Clone)]
 pub struct AmqpPublisher {
     link: Arc<tokio::sync::Mutex<PublishLink>>,
@@ -73,9 +74,46 @@ async fn unblocked_within(connection: &Connection, patience: Duration) -> bool {
         if started.elapsed() >= patience {
             return false;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(ALARM_SAMPLE).await;
     }
     true
+}
+
+/// How often a publish that waits looks whether the broker blocks its
+/// connection: the client's status is all there is to look at (the
+/// connection's events go to one listener, the log's).
+const ALARM_SAMPLE: Duration = Duration::from_millis(50);
+
+/// What `confirmed` gives, unless the broker stays silent for `timeout`
+/// while `blocked` says no alarm holds the connection.
+///
+/// The timeout counts from the write, or from the last time the connection
+/// was seen blocked: a message blocked after it was written waits in the
+/// client (or the broker) and goes out when the alarm lifts, behind every
+/// other publish held with it. Given up while blocked, or before its turn
+/// came after the alarm lifted, it would be sent again beside itself.
+async fn confirmed_unless_silent<T>(
+    confirmed: impl Future<Output = T>,
+    blocked: impl Fn() -> bool,
+    timeout: Duration,
+) -> Option<T> {
+    let mut confirmed = std::pin::pin!(confirmed);
+    let mut silent_since = tokio::time::Instant::now();
+    let mut seen_blocked = false;
+    loop {
+        match tokio::time::timeout(ALARM_SAMPLE.min(timeout), &mut confirmed).await {
+            Ok(confirmed) => return Some(confirmed),
+            Err(_) if blocked() => {
+                if !seen_blocked {
+                    tracing::debug!("the broker blocked the connection; waiting for the confirm");
+                    seen_blocked = true;
+                }
+                silent_since = tokio::time::Instant::now();
+            }
+            Err(_) if silent_since.elapsed() < timeout => {}
+            Err(_) => return None,
+        }
+    }
 }
 
 /// What one publish goes out on.
@@ -149,7 +187,8 @@ impl AmqpPublisher {
     /// resource alarm takes no publishes, and a network that drops packets
     /// answers nothing. Past it the publish fails (the message may still
     /// arrive: a caller that tries again sends a duplicate, which the
-    /// receiving inbox skips).
+    /// receiving inbox skips). A publish the broker blocked after it was
+    /// written has `timeout` after the alarm lifts.
     pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
@@ -384,25 +423,16 @@ impl AmqpPublisher {
                 .await?;
             confirms.wait(id, confirm).await
         };
-        let mut confirmed = std::pin::pin!(confirmed);
-        let confirmed = loop {
-            match tokio::time::timeout(self.confirm_timeout, &mut confirmed).await {
-                Ok(confirmed) => break confirmed?,
-                // Blocked after it was written: it waits in the client (or
-                // the broker) and goes out when the alarm lifts. Given up
-                // now, it would be sent again beside itself.
-                Err(_) if connection.status().blocked() => {
-                    tracing::debug!(%message_id, "the broker blocked the connection; waiting for the confirm");
-                }
-                Err(_) => {
-                    return Err(Error::no_confirm(
-                        message_id,
-                        routing_key.to_owned(),
-                        self.confirm_timeout,
-                    ));
-                }
-            }
+        let Some(confirmed) =
+            confirmed_unless_silent(confirmed, || connection.status().blocked(), self.confirm_timeout).await
+        else {
+            return Err(Error::no_confirm(
+                message_id,
+                routing_key.to_owned(),
+                self.confirm_timeout,
+            ));
         };
+        let confirmed = confirmed?;
         match confirmed {
             Confirmed::Acked => Ok(()),
             Confirmed::Nacked => Err(not_confirmed("the broker nacked it".into())),
@@ -534,4 +564,68 @@ fn publish_span(
         trace.adopt(&span);
     }
     span
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A confirm that arrives at `at`, in paused time.
+    async fn confirm_at(at: Duration) -> &'static str {
+        tokio::time::sleep(at).await;
+        "confirmed"
+    }
+
+    /// Blocked from the start until `until`, in paused time.
+    fn blocked_until(until: Duration) -> impl Fn() -> bool {
+        let start = tokio::time::Instant::now();
+        move || start.elapsed() < until
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_confirm_held_by_an_alarm_has_the_whole_timeout_after_it_lifts() {
+        // Blocked until 2.9 s, confirmed at 3.2 s, a timeout of 1 s: the
+        // confirm comes 0.3 s after the alarm lifted, well within it. (A
+        // timeout counted in whole periods from the write gave up at 3 s.)
+        let timeout = Duration::from_secs(1);
+        let confirmed = confirmed_unless_silent(
+            confirm_at(Duration::from_millis(3200)),
+            blocked_until(Duration::from_millis(2900)),
+            timeout,
+        )
+        .await;
+        assert_eq!(confirmed, Some("confirmed"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_broker_without_an_alarm_is_given_up_after_the_timeout() {
+        let started = tokio::time::Instant::now();
+        let confirmed =
+            confirmed_unless_silent(std::future::pending::<()>(), || false, Duration::from_secs(1)).await;
+        assert_eq!(confirmed, None);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(1) && waited <= Duration::from_secs(1) + ALARM_SAMPLE,
+            "{waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn silence_after_an_alarm_is_given_up_one_timeout_after_it_lifted() {
+        let started = tokio::time::Instant::now();
+        let confirmed = confirmed_unless_silent(
+            std::future::pending::<()>(),
+            blocked_until(Duration::from_secs(5)),
+            Duration::from_secs(1),
+        )
+        .await;
+        assert_eq!(confirmed, None);
+        // The alarm is seen lifted within a sample.
+        let lifted_plus_timeout = Duration::from_secs(6);
+        let waited = started.elapsed();
+        assert!(
+            waited + ALARM_SAMPLE >= lifted_plus_timeout && waited <= lifted_plus_timeout + ALARM_SAMPLE,
+            "{waited:?}"
+        );
+    }
 }

@@ -125,7 +125,9 @@ pub struct MessageBusSettings {
     /// confirm. A broker under a memory or disk alarm takes no publishes,
     /// and a network that drops packets answers nothing: past this, a move
     /// to a retry tier or `Q.error` hands its message back to the broker
-    /// (to be tried again later), and a publish from code fails. Default `30s`.
+    /// (to be tried again later), and a publish from code fails. A publish
+    /// the broker blocked after it was written has this long after the
+    /// alarm lifts. Default `30s`.
     #[serde(with = "humantime_serde")]
     pub confirm_timeout: Duration,
     /// `max_message_size`: the largest body, in bytes, that a unit of work
