@@ -15,8 +15,8 @@ use inbox_actors::Runtime;
 
 use crate::outbox::with_forward_queue;
 use crate::support::{
-    Counted, TestEnv, Valid, checkin_service, consumes, header, increment, publish_keys, start_service,
-    wait_until,
+    Counted, TestEnv, Valid, checkin_service, consumes, header, increment, publish_keys, rabbitmqctl,
+    start_service, wait_until,
 };
 
 /// Stages a row as another process could: any exchange, any headers.
@@ -377,13 +377,9 @@ async fn a_message_whose_headers_fill_a_frame_reaches_the_error_queue_without_th
 }
 
 /// `queue`'s messages delivered and not yet acked, as the broker counts.
-fn unacked(queue: &str) -> u64 {
-    let output = std::process::Command::new("rabbitmqctl")
-        .args(["-q", "list_queues", "name", "messages_unacknowledged"])
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(output.status.success(), "rabbitmqctl list_queues: {output:?}");
-    String::from_utf8_lossy(&output.stdout)
+async fn unacked(queue: &str) -> u64 {
+    rabbitmqctl(&["-q", "list_queues", "name", "messages_unacknowledged"])
+        .await
         .lines()
         .find_map(|line| {
             let (q, n) = line.split_once('\t')?;
@@ -458,7 +454,7 @@ async fn after_broker_outages_longer_than_the_connect_timeout_one_consumer_remai
     publishing.abort();
     let sent = published.load(Ordering::SeqCst);
     wait_until("every message is settled", || async {
-        unacked(&env.queue) == 0 && env.ready(&env.queue).await == 0
+        unacked(&env.queue).await == 0 && env.ready(&env.queue).await == 0
     })
     .await;
     let stats = runtime.stats();

@@ -4,7 +4,7 @@ use inbox::Message;
 use inbox_actors::Runtime;
 
 use crate::proxy::{broker_through_proxy, database_through_proxy};
-use crate::support::{Captured, Count, Counted, TestEnv, Valid, publish_keys, wait_until};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, publish_keys, rabbitmqctl, wait_until};
 
 #[actix_rt::test]
 async fn a_database_outage_pauses_consumption_and_loses_nothing() {
@@ -135,27 +135,19 @@ async fn publish_and_complete(env: &TestEnv, runtime: &Runtime, keys: std::ops::
 /// handed an ack of a delivery tag it never sent. (Through the broker's
 /// internals, as RabbitMQ 3.10 has them: nothing outside can close another
 /// client's channel.)
-fn broker_closes_the_consumer_channels(queue: &str) {
+async fn broker_closes_the_consumer_channels(queue: &str) {
     let erlang = format!(
         r#"[rabbit_channel:do(proplists:get_value(channel_pid, C), {{'basic.ack', 999999, false}})
             || C <- rabbit_amqqueue:consumers_all(<<"/">>),
                element(4, proplists:get_value(queue_name, C)) =:= <<"{queue}">>]."#
     );
-    let output = std::process::Command::new("rabbitmqctl")
-        .args(["eval", &erlang])
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(output.status.success(), "rabbitmqctl eval: {output:?}");
+    rabbitmqctl(&["eval", &erlang]).await;
 }
 
 /// The broker's channels consuming `queue`.
-fn consumer_channels(queue: &str) -> Vec<String> {
-    let output = std::process::Command::new("rabbitmqctl")
-        .args(["-q", "list_consumers", "queue_name", "channel_pid"])
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(output.status.success(), "rabbitmqctl list_consumers: {output:?}");
-    String::from_utf8_lossy(&output.stdout)
+async fn consumer_channels(queue: &str) -> Vec<String> {
+    rabbitmqctl(&["-q", "list_consumers", "queue_name", "channel_pid"])
+        .await
         .lines()
         .filter_map(|line| line.split_once('\t'))
         .filter(|(name, _)| *name == queue)
@@ -172,15 +164,15 @@ async fn a_consumer_whose_channel_the_broker_closes_reconnects() {
         .await
         .unwrap();
     assert_eq!(env.consumers(&env.queue).await, Some(1));
-    let before = consumer_channels(&env.queue);
+    let before = consumer_channels(&env.queue).await;
     assert_eq!(before.len(), 1, "{before:?}");
 
-    broker_closes_the_consumer_channels(&env.queue);
+    broker_closes_the_consumer_channels(&env.queue).await;
     // lapin does not reopen a channel the broker closed; the actor must.
     // (It does so at once: the window with no consumer is too short to
     // watch for, so the consumer is told apart by its channel.)
     wait_until("one consumer is back, on another channel", || async {
-        let now = consumer_channels(&env.queue);
+        let now = consumer_channels(&env.queue).await;
         now.len() == 1 && now != before
     })
     .await;
@@ -230,7 +222,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     // Meanwhile the broker closes the consumer's channel: the consumer
     // reconnects and the broker redelivers all eight on the new channel,
     // whose delivery tags start at 1 again.
-    broker_closes_the_consumer_channels(&env.queue);
+    broker_closes_the_consumer_channels(&env.queue).await;
     wait_until("the consumer is back", || async {
         logs.text().contains("consuming again")
     })

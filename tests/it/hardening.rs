@@ -12,7 +12,7 @@ use inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
 use inbox_actors::{Runtime, StatsSnapshot};
 
 use crate::batching::{batching, counts, prefill_keys};
-use crate::support::{Counted, TestEnv, Valid, header, increment, publish_keys, wait_until};
+use crate::support::{Counted, TestEnv, Valid, header, increment, publish_keys, rabbitmqctl, wait_until};
 
 /// How [`FailsFor`] fails.
 #[derive(Clone, Copy)]
@@ -278,11 +278,7 @@ async fn every_queue_that_dead_letters_on_a_quorum_queue_does_so_at_least_once()
     // dead-lettering docs), on 3.x as on 4.x.
     let env = TestEnv::new("at_least_once_tiers").await;
     crate::support::declare(&env.settings()).await;
-    let output = std::process::Command::new("rabbitmqctl")
-        .args(["-q", "list_queues", "name", "arguments"])
-        .output()
-        .expect("rabbitmqctl runs");
-    let listed = String::from_utf8_lossy(&output.stdout);
+    let listed = rabbitmqctl(&["-q", "list_queues", "name", "arguments"]).await;
     let mut dead_lettering = 0;
     let (main, tiers) = (format!("{}\t", env.queue), format!("{}.retry.", env.queue));
     for line in listed

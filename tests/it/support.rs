@@ -337,6 +337,29 @@ pub(crate) async fn declare(settings: &Settings) {
     connection.close(200, "done".into()).await.unwrap();
 }
 
+/// What `rabbitmqctl args` printed, run off the test's thread: it takes
+/// half a second, and the runtime under test runs on that thread too (a
+/// runtime stopped that long is not what a test means to show).
+pub(crate) async fn rabbitmqctl(args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
+    tokio::task::spawn_blocking(move || rabbitmqctl_now(&args))
+        .await
+        .expect("rabbitmqctl ran")
+        .unwrap_or_else(|failed| panic!("{failed}"))
+}
+
+/// [`rabbitmqctl`] on this thread, for a `Drop`.
+pub(crate) fn rabbitmqctl_now(args: &[String]) -> Result<String, String> {
+    let output = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .map_err(|e| format!("rabbitmqctl does not run: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("rabbitmqctl {args:?}: {output:?}"));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 /// Polls `condition` until it holds, failing the test after 30 s with `what`.
 pub(crate) async fn wait_until<F, Fut>(what: &str, mut condition: F)
 where
