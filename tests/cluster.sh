@@ -17,7 +17,7 @@
 # there, and the machine's own node keeps the quorum while one is down.
 # Run it as root, where nothing else uses this RabbitMQ: two to three
 # minutes, up to about seven when a kill cuts a retry tier's dead-lettering
-# (RabbitMQ re-sends after its two-minute dead-letter confirm timeout).
+# (RabbitMQ re-sends after its three-minute dead-letter confirm timeout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

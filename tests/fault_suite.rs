@@ -73,8 +73,8 @@ const DELAYS: &str = "1s,2s";
 const DEADLINE: Duration = Duration::from_secs(240);
 /// With `--cluster`: a killed node takes 10-25 s to come back, twice, and
 /// a retry tier whose dead-lettering back to the queue was cut by a kill
-/// re-sends after RabbitMQ's two-minute dead-letter confirm timeout, once
-/// per kill at worst.
+/// re-sends after RabbitMQ's dead-letter confirm timeout, once per kill at
+/// worst (`dead_letter_worker_publisher_confirm_timeout`: three minutes).
 const CLUSTER_DEADLINE: Duration = Duration::from_secs(600);
 /// The attendee the service aborts on: the poison message's.
 const POISON: i64 = 1_000_000;
