@@ -338,11 +338,10 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// maintenance database `postgres`), then `--queue`: the queue to consume
 /// (default [`DEFAULT_QUEUE`] when the settings list none).
 pub(crate) fn settings() -> Result<ValidSettings> {
-    let mut settings = Settings::load()?.into_inner();
-    if own_database(&settings).as_deref() == Some("postgres") {
+    let mut settings = Settings::load_with_conventional_urls()?.into_inner();
+    if std::env::var_os("DATABASE_URL").is_none() && own_database(&settings).as_deref() == Some("postgres") {
         settings.database.set_dbname(DEFAULT_DATABASE)?;
     }
-    settings.apply_conventional_urls();
     match arg("--wire").as_deref() {
         Some("masstransit") => settings.message_bus.wire = inbox_actors::Wire::Masstransit,
         Some("inbox") => settings.message_bus.wire = inbox_actors::Wire::Inbox,
@@ -362,14 +361,19 @@ pub(crate) fn settings() -> Result<ValidSettings> {
 
 /// The database the service creates at start when missing, and `--remove`
 /// drops: the one `database.url` names (PostgreSQL's default, the user's
-/// name, when it names none), unless `DATABASE_URL` is set: then the
-/// service uses that database as it is.
+/// name, when it names none), unless it is the one `DATABASE_URL` names:
+/// that database the service uses as it is. (An earlier version's
+/// `database.name` names another in `DATABASE_URL`: that one is its own.)
 pub(crate) fn own_database(settings: &Settings) -> Option<String> {
-    if std::env::var_os("DATABASE_URL").is_some() {
-        return None;
-    }
-    let config = settings.pg_config().ok()?;
-    config.get_dbname().or(config.get_user()).map(str::to_owned)
+    let named = |config: &inbox_actors::tokio_postgres::Config| {
+        config.get_dbname().or(config.get_user()).map(str::to_owned)
+    };
+    let own = named(&settings.pg_config().ok()?)?;
+    let given = std::env::var("DATABASE_URL")
+        .ok()
+        .and_then(|url| url.parse().ok())
+        .and_then(|config| named(&config));
+    (given.as_deref() != Some(own.as_str())).then_some(own)
 }
 
 /// Installs the Prometheus recorder as the `metrics` facade's, with every

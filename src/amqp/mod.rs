@@ -64,10 +64,7 @@ static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
 pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
     let urls = &settings.message_bus.amqp_urls;
     if urls.is_empty() {
-        return Err(Error::setting(
-            "message_bus.amqp_urls",
-            "is empty: name the broker, or the nodes of its cluster",
-        ));
+        return Err(crate::settings::no_broker());
     }
     let timeout = settings.message_bus.connect_timeout;
     let per_node = match urls.len() {

@@ -21,21 +21,41 @@ impl Settings {
     /// Like [`Settings::load`], with the settings files in `dir`.
     pub fn load_from(dir: &Path) -> Result<ValidSettings> {
         let inbox_env = std::env::var("INBOX_ENV").ok().filter(|e| !e.is_empty());
-        Self::load_layered(dir, inbox_env.as_deref(), None)
+        Self::load_layered(dir, inbox_env.as_deref(), None, false)
     }
 
     /// Like [`Settings::load_from`], for the environment named `inbox_env`
     /// whatever `INBOX_ENV` says (tests load `config/test.toml` this way).
     pub fn load_environment(dir: &Path, inbox_env: &str) -> Result<ValidSettings> {
-        Self::load_layered(dir, Some(inbox_env), None)
+        Self::load_layered(dir, Some(inbox_env), None, false)
     }
 
-    /// The layering itself; `vars` replaces the process environment (tests).
+    /// Like [`Settings::load`], with the conventional `DATABASE_URL` and
+    /// `AMQP_URL` environment variables, where set, as the examples honour
+    /// them: `DATABASE_URL` replaces `database.url` (a `database.name` of
+    /// an earlier version names a database in it, as it did); `AMQP_URL`
+    /// replaces `message_bus.amqp_urls` unless they list the nodes of a
+    /// cluster (two or more).
+    pub fn load_with_conventional_urls() -> Result<ValidSettings> {
+        let dir = config_dir(std::env::var_os("INBOX_CONFIG_DIR"));
+        let inbox_env = std::env::var("INBOX_ENV").ok().filter(|e| !e.is_empty());
+        Self::load_layered(&dir, inbox_env.as_deref(), None, true)
+    }
+
+    /// The layering itself, with the conventional URLs when
+    /// `conventional`; `vars` replaces the process environment (tests).
     pub(super) fn load_layered(
         dir: &Path,
         inbox_env: Option<&str>,
         vars: Option<HashMap<String, String>>,
+        conventional: bool,
     ) -> Result<ValidSettings> {
+        let var = |name: &str| match &vars {
+            Some(vars) => vars.get(name).cloned(),
+            None => std::env::var(name).ok(),
+        };
+        let database_url = conventional.then(|| var("DATABASE_URL")).flatten();
+        let amqp_url = conventional.then(|| var("AMQP_URL")).flatten();
         use config::{Config, Environment, File};
         let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
         // Each layer read on its own, so that an old spelling can be
@@ -85,23 +105,20 @@ impl Settings {
         let mut tree = config::Source::collect(&layered)?;
         OldSpellings::remove(&mut tree);
         let mut settings: Settings = config::Value::from(tree).try_deserialize()?;
+        // DATABASE_URL replaces the url before an old `database.name` is
+        // written into it, as that name replaced the one in DATABASE_URL.
+        if let Some(url) = database_url {
+            settings.database.url = url;
+        }
         old.apply(&mut settings)?;
-        settings.validate()
-    }
-
-    /// Applies the conventional `DATABASE_URL` and `AMQP_URL` environment
-    /// variables, where set: `DATABASE_URL` replaces `database.url`;
-    /// `AMQP_URL` replaces `message_bus.amqp_urls` unless they list the
-    /// nodes of a cluster (two or more), which one URL cannot describe.
-    pub fn apply_conventional_urls(&mut self) {
-        if let Ok(url) = std::env::var("DATABASE_URL") {
-            self.database.url = url;
-        }
-        if let Ok(url) = std::env::var("AMQP_URL")
-            && self.message_bus.amqp_urls.len() < 2
+        // AMQP_URL replaces one broker (an old `amqp_url` too), but not the
+        // nodes of a cluster, which one URL cannot describe.
+        if let Some(url) = amqp_url
+            && settings.message_bus.amqp_urls.len() < 2
         {
-            self.message_bus.amqp_urls = vec![url];
+            settings.message_bus.amqp_urls = vec![url];
         }
+        settings.validate()
     }
 }
 

@@ -23,8 +23,8 @@ mod tests;
 mod validate;
 
 pub(crate) use connection::{broker_endpoint, redact};
-pub(crate) use validate::MAX_DELIVERY_LIMIT;
 pub use validate::ValidSettings;
+pub(crate) use validate::{MAX_DELIVERY_LIMIT, no_broker};
 
 /// Every setting of the runtime. Build it with [`Settings::load`] (files and
 /// environment) or in code from [`Settings::default`]; the runtime validates

@@ -62,7 +62,7 @@ fn vars(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
 #[test]
 fn the_shipped_default_file_matches_the_built_in_defaults() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
-    let loaded = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    let loaded = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
     let built_in = Settings::default();
     assert_eq!(format!("{loaded:?}"), format!("{built_in:?}"));
 }
@@ -86,6 +86,7 @@ fn layers_apply_in_order_default_file_env_file_environment() {
             ("INBOX__DATABASE__POOL_SIZE", "11"),
             ("INBOX__MESSAGE_BUS__ENABLE_INBOX", "true"),
         ]),
+        false,
     )
     .unwrap();
     assert_eq!(
@@ -110,7 +111,7 @@ fn layers_apply_in_order_default_file_env_file_environment() {
 #[test]
 fn a_missing_environment_file_is_an_error_naming_it() {
     let dir = temp_dir(&[]);
-    let err = Settings::load_layered(&dir, Some("prod"), vars(&[])).unwrap_err();
+    let err = Settings::load_layered(&dir, Some("prod"), vars(&[]), false).unwrap_err();
     assert!(err.to_string().contains("prod"), "{err}");
 }
 
@@ -155,7 +156,7 @@ fn invalid_values_name_their_key() {
     ];
     let dir = temp_dir(&[]);
     for (var, value, key) in cases {
-        let err = Settings::load_layered(&dir, None, vars(&[(var, value)])).unwrap_err();
+        let err = Settings::load_layered(&dir, None, vars(&[(var, value)]), false).unwrap_err();
         assert!(
             err.to_string().contains(key),
             "{var}={value}: `{err}` does not name `{key}`"
@@ -213,7 +214,7 @@ fn invalid_queues_name_their_entry() {
     ];
     for (text, key) in cases {
         let dir = temp_dir(&[("default.toml", &text)]);
-        let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
+        let err = Settings::load_layered(&dir, None, vars(&[]), false).unwrap_err();
         assert!(
             err.to_string().contains(key),
             "{text}: `{err}` does not name `{key}`"
@@ -227,13 +228,13 @@ fn retention_shorter_than_the_redelivery_path_names_both() {
         "default.toml",
         "[retention]\ndays = 2\n[failure]\ndelays = [\"1h\", \"2days\"]\n",
     )]);
-    let err = Settings::load_layered(&dir, None, vars(&[]))
+    let err = Settings::load_layered(&dir, None, vars(&[]), false)
         .unwrap_err()
         .to_string();
     for words in ["retention.days", "2 days", "failure.delays", "2days 1h"] {
         assert!(err.contains(words), "`{err}` does not say `{words}`");
     }
-    let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")])).unwrap();
+    let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")]), false).unwrap();
     assert_eq!(ok.failure.delays, [3600, 2 * 86400].map(Duration::from_secs));
 }
 
@@ -353,7 +354,7 @@ fn set_dbname_names_another_database_on_the_same_server() {
 #[test]
 fn the_old_spellings_still_mean_what_they_meant() {
     let dir = temp_dir(&[]);
-    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs)).unwrap();
+    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs), false).unwrap();
     // `database.name` is written into the url, whichever layer set it.
     let settings = load(&[
         ("INBOX__DATABASE__URL", "postgres://u@h:5433/orders"),
@@ -379,20 +380,55 @@ fn the_old_spellings_still_mean_what_they_meant() {
         &listed,
         None,
         vars(&[("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672")]),
+        false,
     )
     .unwrap();
     assert_eq!(settings.message_bus.amqp_urls, ["amqp://a:5672"]);
     // An empty list meant `amqp_url` alone: the default broker.
     let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = []\n")]);
-    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
     assert_eq!(
         settings.message_bus.amqp_urls,
         MessageBusSettings::default().amqp_urls
     );
     // A settings file may name one broker as a string.
     let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = \"amqp://d:5672\"\n")]);
-    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
     assert_eq!(settings.message_bus.amqp_urls, ["amqp://d:5672"]);
+}
+
+#[test]
+fn the_conventional_urls_are_read_as_the_settings_load() {
+    let dir = temp_dir(&[]);
+    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs), true).unwrap();
+    // DATABASE_URL replaces the url, INBOX__DATABASE__URL's too.
+    let settings = load(&[
+        ("INBOX__DATABASE__URL", "postgres://u@h:5433/orders"),
+        ("DATABASE_URL", "postgres://v@k:5434/app"),
+    ]);
+    assert_eq!(settings.database.url, "postgres://v@k:5434/app");
+    // An earlier version's `database.name` names a database in it, as it did.
+    let settings = load(&[
+        ("DATABASE_URL", "postgres://v@k:5434/app"),
+        ("INBOX__DATABASE__NAME", "billing"),
+    ]);
+    assert_eq!(settings.database.url, "postgres://v@k:5434/billing");
+    // AMQP_URL replaces one broker, and an old `amqp_url`...
+    let settings = load(&[("AMQP_URL", "amqp://e:5672")]);
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://e:5672"]);
+    let settings = load(&[
+        ("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672"),
+        ("AMQP_URL", "amqp://e:5672"),
+    ]);
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://e:5672"]);
+    // ...but not a cluster's nodes.
+    let settings = load(&[
+        ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
+        ("AMQP_URL", "amqp://e:5672"),
+    ]);
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
+    // Without them, as `load`.
+    assert_eq!(load(&[]).database.url, DatabaseSettings::default().url);
 }
 
 #[test]

@@ -54,10 +54,7 @@ impl MessageBusSettings {
     fn validate(&self) -> Result<()> {
         if self.provider == Provider::Rabbitmq {
             if self.amqp_urls.is_empty() {
-                return Err(Error::setting(
-                    "message_bus.amqp_urls",
-                    "is empty: name the broker, or the nodes of its cluster",
-                ));
+                return Err(no_broker());
             }
             for (i, url) in self.amqp_urls.iter().enumerate() {
                 url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
@@ -257,6 +254,15 @@ impl std::ops::Deref for ValidSettings {
     fn deref(&self) -> &Settings {
         &self.0
     }
+}
+
+/// An empty `message_bus.amqp_urls`, refused by validation and by
+/// connecting (which takes settings from code too).
+pub(crate) fn no_broker() -> Error {
+    Error::setting(
+        "message_bus.amqp_urls",
+        "is empty: name the broker, or the nodes of its cluster",
+    )
 }
 
 /// The highest `queues[].delivery_limit`: the broker reads it as a signed

@@ -492,6 +492,9 @@ async fn two_services_started_together_on_a_fresh_database_both_start() {
             .output()
             .unwrap();
         assert!(removed.status.success(), "--remove: {removed:?}");
+        // Fresh again for the next run.
+        let said = String::from_utf8_lossy(&removed.stdout);
+        assert!(said.contains(&format!("dropped database {database}")), "{said}");
         for (started, log) in started {
             assert!(started, "round {round}: a service did not start:\n{log}");
         }

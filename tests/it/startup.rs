@@ -339,3 +339,69 @@ async fn the_example_takes_amqp_url_for_one_broker_and_keeps_a_listed_cluster() 
         );
     }
 }
+
+#[actix_rt::test]
+async fn the_example_keeps_an_earlier_database_name_in_database_url_and_drops_only_its_own() {
+    // DATABASE_URL names the test's database; an earlier version's
+    // INBOX__DATABASE__NAME another on the same server, which is the
+    // service's own: created at its start, dropped by --remove. The one
+    // DATABASE_URL names is never the service's to drop.
+    let env = TestEnv::new("conventional_database").await;
+    let own = format!("{}_own", env.database);
+    let example = |args: &[&str], name: Option<&str>| {
+        let mut command = std::process::Command::new(crate::support::checkin_service());
+        command
+            .args(["--queue", &env.queue])
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("DATABASE_URL", crate::support::database_url_of(&env.database))
+            .env("NO_COLOR", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        if let Some(name) = name {
+            command.env("INBOX__DATABASE__NAME", name);
+        }
+        command
+    };
+    let mut service = example(&[], Some(&own)).spawn().unwrap();
+    let (started, log) = crate::support::consumes(&mut service);
+    let _ = service.kill();
+    let _ = service.wait();
+    let exists = |name: String| {
+        let env = &env;
+        async move {
+            env.db()
+                .await
+                .query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1
+        }
+    };
+    let created = exists(own.clone()).await;
+    let removed = example(&["--remove"], Some(&own)).output().unwrap();
+    let dropped = !exists(own.clone()).await;
+    let kept = example(&["--remove"], None).output().unwrap();
+    let still_there = exists(env.database.clone()).await;
+    // Whatever failed, the service's database does not outlive the test.
+    env.db()
+        .await
+        .batch_execute(&format!("DROP DATABASE IF EXISTS \"{own}\" WITH (FORCE)"))
+        .await
+        .unwrap();
+
+    assert!(started, "the service did not start\n{log}");
+    assert!(created, "the service did not create database {own}");
+    let removed_said = String::from_utf8_lossy(&removed.stdout);
+    assert!(removed.status.success(), "--remove: {removed:?}");
+    assert!(dropped, "--remove left database {own}: {removed_said}");
+    assert!(
+        removed_said.contains(&format!("dropped database {own}")),
+        "{removed_said}"
+    );
+    assert!(kept.status.success(), "--remove: {kept:?}");
+    assert!(still_there, "--remove dropped the database DATABASE_URL names");
+    let kept_said = String::from_utf8_lossy(&kept.stdout);
+    assert!(!kept_said.contains("dropped database"), "{kept_said}");
+}
