@@ -4,6 +4,7 @@
 
 use std::time::SystemTime;
 
+use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
 /// The header names.
@@ -41,6 +42,16 @@ pub mod headers {
     /// would not fit one AMQP frame: how many, and how large. Kept by a
     /// replay: the headers are gone for good.
     pub const DROPPED_HEADERS: &str = "x-inbox-dropped-headers";
+
+    /// The producer's per-message TTL (the `expiration` property) of a copy
+    /// the runtime republished without it ([`copy_properties`](super::copy_properties)),
+    /// as the broker keeps it in `x-death`'s `original-expiration` when it
+    /// dead-letters. Kept by a replay, which does not restore it.
+    pub const ORIGINAL_EXPIRATION: &str = "x-inbox-original-expiration";
+    /// The producer's `user_id` property of a copy the runtime republished
+    /// without it ([`copy_properties`](super::copy_properties)). Kept by a
+    /// replay, which does not restore it.
+    pub const ORIGINAL_USER_ID: &str = "x-inbox-original-user-id";
 
     /// The broker's count of a quorum queue's deliveries of the message. It
     /// belongs to the queue that delivered it, so a copy published
@@ -188,6 +199,73 @@ impl Fault<'_> {
     }
 }
 
+/// The properties of a copy the runtime publishes of a delivery (a move to
+/// a retry tier, `Q.error` or `Q.skipped`, or a replay): the original's,
+/// with `headers`, less the two that belong to the producer's own publish.
+/// Each goes into a header of its own when the original had it, so that
+/// whoever reads the copy sees it:
+///
+/// - `expiration`, a per-message TTL: the broker drops a message whose TTL
+///   ran out while it waited in a queue. A copy set aside stays until
+///   someone acts on it, and a copy in a retry tier waits the tier's delay,
+///   not less. RabbitMQ drops it likewise when it dead-letters, and so does
+///   MassTransit's error transport. Kept in
+///   [`x-inbox-original-expiration`](headers::ORIGINAL_EXPIRATION).
+/// - `user_id`: the broker refuses a publish whose `user_id` is not the
+///   publishing connection's user (`PRECONDITION_FAILED`, closing the
+///   channel), and the runtime publishes as itself. Kept in
+///   [`x-inbox-original-user-id`](headers::ORIGINAL_USER_ID).
+///
+/// A copy of a copy keeps the first one's record.
+pub fn copy_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
+    let keep = |headers: &mut FieldTable, key: &str, value: &Option<lapin::types::ShortString>| {
+        if let Some(value) = value
+            && !headers.contains_key(key)
+        {
+            headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+        }
+    };
+    keep(&mut headers, headers::ORIGINAL_EXPIRATION, original.expiration());
+    keep(&mut headers, headers::ORIGINAL_USER_ID, original.user_id());
+    // lapin can set a property but not unset one: the copy is built anew
+    // with every property but those two.
+    let mut copy = BasicProperties::default().with_headers(headers);
+    if let Some(v) = original.content_type() {
+        copy = copy.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        copy = copy.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.delivery_mode() {
+        copy = copy.with_delivery_mode(*v);
+    }
+    if let Some(v) = original.priority() {
+        copy = copy.with_priority(*v);
+    }
+    if let Some(v) = original.correlation_id() {
+        copy = copy.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        copy = copy.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.message_id() {
+        copy = copy.with_message_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        copy = copy.with_timestamp(*v);
+    }
+    if let Some(v) = original.kind() {
+        copy = copy.with_type(v.clone());
+    }
+    if let Some(v) = original.app_id() {
+        copy = copy.with_app_id(v.clone());
+    }
+    if let Some(v) = original.cluster_id() {
+        copy = copy.with_cluster_id(v.clone());
+    }
+    copy
+}
+
 /// `headers` less the `keys`.
 pub fn without(headers: &FieldTable, keys: &[&str]) -> FieldTable {
     let kept: std::collections::BTreeMap<_, _> = headers
@@ -264,6 +342,52 @@ mod tests {
         assert_eq!(FailureHistory::read(&headers), history);
         assert!(headers.contains_key("x-custom"), "other headers are kept");
         assert!(headers.contains_key(headers::LAST_FAILURE));
+    }
+
+    #[test]
+    fn a_copy_goes_without_the_producers_ttl_and_user_id_and_keeps_them_in_headers() {
+        let produced = || {
+            BasicProperties::default()
+                .with_message_id("m".into())
+                .with_type("T".into())
+                .with_content_type("application/json".into())
+                .with_content_encoding("identity".into())
+                .with_correlation_id("c".into())
+                .with_delivery_mode(2)
+                .with_priority(3)
+                .with_timestamp(42)
+                .with_app_id("app".into())
+                .with_cluster_id("cluster".into())
+                .with_reply_to("r".into())
+        };
+        let original = produced()
+            .with_expiration("8000".into())
+            .with_user_id("alice".into());
+        let mut headers = FieldTable::default();
+        headers.insert("x-custom".into(), AMQPValue::LongInt(5));
+        let copy = copy_properties(&original, headers);
+        // Everything else is the original's.
+        let expected = produced().with_headers(copy.headers().clone().unwrap_or_default());
+        assert_eq!(copy, expected);
+        let headers = copy.headers().clone().unwrap_or_default();
+        let text = |key: &str| match headers.inner().get(key) {
+            Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            _ => None,
+        };
+        assert_eq!(text(headers::ORIGINAL_EXPIRATION).as_deref(), Some("8000"));
+        assert_eq!(text(headers::ORIGINAL_USER_ID).as_deref(), Some("alice"));
+        assert!(headers.contains_key("x-custom"));
+
+        // A copy of the copy keeps the first record; a message without
+        // either property gets no such header.
+        let again = copy_properties(&copy.clone().with_expiration("5".into()), headers.clone());
+        let again_headers = again.headers().clone().unwrap_or_default();
+        assert_eq!(
+            again_headers.inner().get(headers::ORIGINAL_EXPIRATION),
+            headers.inner().get(headers::ORIGINAL_EXPIRATION)
+        );
+        let plain = copy_properties(&BasicProperties::default(), FieldTable::default());
+        assert_eq!(plain.headers().clone().unwrap_or_default().inner().len(), 0);
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! carries the [`Action`] out with the broker: ack; hold while the
 //! database is unreachable; retry in process; move to a retry tier,
 //! `Q.error` or `Q.skipped`. Every move publishes the copy with its fault
-//! headers and waits for the broker's confirm before acking the original.
+//! headers, without the producer's TTL and `user_id`
+//! ([`copy_properties`]), and waits for the broker's confirm before acking
+//! the original.
 //! What it did is counted once, when done. The
 //! [`ConsumerActor`](crate::consumer::ConsumerActor) owns one per queue and spawns
 //! its work, one delivery (or batch) at a time.
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use actix::Addr;
 use futures_util::future::join_all;
-use inbox::internal::fault::{FailureHistory, Fault};
+use inbox::internal::fault::{FailureHistory, Fault, copy_properties};
 use inbox::internal::lapin::message::Delivery;
 use inbox::internal::lapin::options::BasicNackOptions;
 use inbox::internal::policy::Failure;
@@ -481,7 +483,7 @@ impl Settler {
         };
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         stamp(&mut headers);
-        let mut properties = delivery.properties.clone().with_headers(headers);
+        let mut properties = copy_properties(&delivery.properties, headers);
         if let Err(too_large) = self.forwarder.check_fits(&properties).await {
             // The headers it came with are untrusted, and with the fault
             // headers they pass a frame: the broker would close the
@@ -505,7 +507,7 @@ impl Settler {
                         .into(),
                 ),
             );
-            properties = delivery.properties.clone().with_headers(headers);
+            properties = copy_properties(&delivery.properties, headers);
         }
         match self.forwarder.publish_raw(&queue, properties, body).await {
             Ok(()) => {

@@ -51,7 +51,8 @@ pub struct ReplayReport {
 
 /// Moves messages from `Q.error` or `Q.skipped` back to `Q`: all of them,
 /// or those whose `message_id` is in `only`. Each keeps its body,
-/// properties and `message_id`, so one that was processed after all is
+/// properties (but a producer's TTL and `user_id`, see
+/// [`fault::copy_properties`]) and `message_id`, so one that was processed after all is
 /// skipped by the inbox (if it comes back within `retention.days`); the
 /// fault headers are removed, so the failure policy starts afresh. Each
 /// copy is confirmed in `Q` before the original leaves.
@@ -111,11 +112,11 @@ pub async fn replay_on(
             .and_then(|id| Uuid::try_parse(id.as_str()).ok());
         let selected = only.is_none_or(|ids| id.is_some_and(|id| ids.contains(&id)));
         if selected {
-            let properties = without_headers(delivery.properties.clone(), &removed);
+            let properties = without_headers(&delivery.properties, &removed);
             publisher.publish_raw(queue, properties, &delivery.data).await?;
             report.replayed += 1;
         } else {
-            let properties = without_headers(delivery.properties.clone(), &[]);
+            let properties = without_headers(&delivery.properties, &[]);
             publisher.publish_raw(&source, properties, &delivery.data).await?;
             report.left += 1;
         }
@@ -127,13 +128,15 @@ pub async fn replay_on(
 }
 
 /// `properties` less the headers named in `removed` and those the broker
-/// owns ([`fault::headers::BROKER_OWNED`]).
-fn without_headers(properties: BasicProperties, removed: &[&str]) -> BasicProperties {
-    let Some(headers) = properties.headers() else {
-        return properties;
-    };
+/// owns ([`fault::headers::BROKER_OWNED`]), and less the producer's TTL and
+/// `user_id` ([`fault::copy_properties`]): the broker keeps both when it
+/// dead-letters, and the replay publishes as itself.
+fn without_headers(properties: &BasicProperties, removed: &[&str]) -> BasicProperties {
     let mut removed = removed.to_vec();
     removed.extend(fault::headers::BROKER_OWNED);
-    let kept = fault::without(headers, &removed);
-    properties.with_headers(kept)
+    let kept = match properties.headers() {
+        Some(headers) => fault::without(headers, &removed),
+        None => FieldTable::default(),
+    };
+    fault::copy_properties(properties, kept)
 }

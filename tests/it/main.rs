@@ -40,5 +40,7 @@ mod operability;
 mod traces;
 // Hardening II: one row, message or handler never stalls, leaks or poisons the others.
 mod edges;
+// Set-aside copies keep nothing the broker would drop (a TTL) or refuse (a user_id).
+mod set_aside;
 // MassTransit on the wire: its envelope consumed once, its error and skipped queues and headers.
 mod masstransit;
