@@ -19,7 +19,11 @@
 //! With `batch_size` above 1, deliveries that arrive together are buffered
 //! until the actor has handled every one that is ready ([`Flush`]), then
 //! sent as one [`DeliverBatch`](crate::DeliverBatch); each delivery is settled from its own
-//! outcome, after the batch's commit. A batch fills up to `batch_size`; a
+//! outcome, after the batch's commit: the completed ones are acked and free
+//! the batch's slot, and a member that failed leaves the batch and takes
+//! its failure path (retries, a retry tier) on its own. A delivery that
+//! failed before (back from a retry tier) never joins a batch. A batch
+//! fills up to `batch_size`; a
 //! partial one is sent only when no other batch of the queue is in flight
 //! (meanwhile, more deliveries arrive to fill it), and at most
 //! `prefetch / batch_size` batches are in flight at once.
@@ -211,11 +215,22 @@ impl ConsumerActor {
             }
             let batch: Vec<Pending> = self.batching.buffer.drain(..take).collect();
             self.batching.in_flight += 1;
-            let work = Arc::clone(&self.settler).settle_batch(batch);
-            ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
+            let settler = Arc::clone(&self.settler);
+            let work = Arc::clone(&settler).settle_batch(batch);
+            ctx.spawn(work.into_actor(self).map(move |leavers, actor, ctx| {
+                // The batch's slot is free once its completed members are
+                // acked; those that failed settle on their own, each
+                // holding only its own delivery.
                 actor.batching.in_flight -= 1;
-                for _ in 0..take {
+                for _ in leavers.len()..take {
                     actor.message_done(ctx);
+                }
+                for leaver in leavers {
+                    let work = Arc::clone(&settler).settle_leaver(leaver);
+                    ctx.spawn(
+                        work.into_actor(actor)
+                            .map(|(), actor, ctx| actor.message_done(ctx)),
+                    );
                 }
                 actor.dispatch_batches(ctx);
             }));
@@ -293,8 +308,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
-            Ok(pending) if pending.is_decided() => {
-                // No transaction to share: settled on its own.
+            Ok(pending) if pending.goes_alone() => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
                 ctx.spawn(
                     work.into_actor(self)

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use futures_util::future::join_all;
 use inbox::internal::fault::{FailureHistory, Fault, copy_properties};
 use inbox::internal::lapin::message::Delivery;
 use inbox::internal::lapin::options::BasicNackOptions;
@@ -146,11 +145,20 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// Whether its outcome is known already: it needs no transaction, in
-    /// a batch or alone.
-    pub(crate) fn is_decided(&self) -> bool {
-        self.known.is_some()
+    /// Whether it is to be settled on its own rather than join a batch:
+    /// its outcome is known already (it needs no transaction), or it has
+    /// failed before (back from a retry tier, or redelivered after its
+    /// handlers failed), so that a message that keeps failing costs no
+    /// batch its handlers' time twice, once together and once alone.
+    pub(crate) fn goes_alone(&self) -> bool {
+        self.known.is_some() || self.history.attempts > 0
     }
+}
+
+/// A member of a batch that did not complete there, with its outcome.
+pub(crate) struct Leaver {
+    pending: Pending,
+    outcome: Outcome,
 }
 
 /// A delivery that can never be processed, and why.
@@ -256,14 +264,18 @@ impl Settler {
         self.process(pending, known).await
     }
 
-    /// Runs a batch through the inbox in one transaction, then settles each
-    /// delivery from its own outcome (a failed one retries alone).
-    pub(crate) async fn settle_batch(self: Arc<Self>, mut batch: Vec<Pending>) {
+    /// Runs a batch through the inbox in one transaction and acks the
+    /// deliveries it completed (or found duplicate). Returns the others,
+    /// each with its outcome: they leave the batch, to be settled each on
+    /// its own ([`settle_leaver`](Self::settle_leaver)), so that one
+    /// member's retries and waits hold up no other message.
+    pub(crate) async fn settle_batch(self: Arc<Self>, mut batch: Vec<Pending>) -> Vec<Leaver> {
         if batch.len() == 1
             && let Some(alone) = batch.pop()
         {
             // Alone, it is cheaper without the batch's savepoint.
-            return self.settle_prepared(alone).await;
+            self.settle_prepared(alone).await;
+            return Vec::new();
         }
         let deliver = DeliverBatch {
             consumer: Arc::clone(&self.consumer),
@@ -287,10 +299,16 @@ impl Settler {
             tracing::debug!(?outcome, "acked");
             self.acked(result, *outcome == Outcome::Duplicate, pending.arrived);
         }
-        let settled = others
+        others
             .into_iter()
-            .map(|(pending, outcome)| self.process(pending, Some(outcome)));
-        join_all(settled).await;
+            .map(|(pending, outcome)| Leaver { pending, outcome })
+            .collect()
+    }
+
+    /// Settles a member that left its batch, from the outcome it had there:
+    /// its retries run alone.
+    pub(crate) async fn settle_leaver(self: Arc<Self>, leaver: Leaver) {
+        self.process(leaver.pending, Some(leaver.outcome)).await
     }
 
     /// A malformed delivery: straight to `Q.error`, no handler ran.

@@ -519,3 +519,119 @@ async fn a_later_batch_acked_first_never_acks_an_earlier_unfinished_one() {
     let counts = counts(&env, "counts").await;
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
 }
+
+/// Fails key `key` while `stuck` is set, counts every other key in
+/// `counts`; records the size of each batch it is given that holds `key`.
+#[derive(Clone, Default)]
+struct StuckOn {
+    key: i64,
+    stuck: Arc<std::sync::atomic::AtomicBool>,
+    batches_holding_key: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl EventHandler<Counted> for StuckOn {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == self.key && self.stuck.load(Ordering::SeqCst) {
+            return Err("waits on a row lock, then times out".into());
+        }
+        increment(uow, "counts", event.key).await
+    }
+
+    async fn handle_batch(&self, events: &[Counted], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if events.iter().any(|e| e.key == self.key) {
+            self.batches_holding_key.lock().unwrap().push(events.len());
+        }
+        for event in events {
+            self.handle(event, uow).await?;
+        }
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_member_that_keeps_failing_leaves_its_batch_and_holds_up_no_other_message() {
+    let env = TestEnv::new("batch_leaver").await;
+    let mut settings = env.settings();
+    // One batch in flight at a time: a batch held by one member would
+    // stop the whole queue.
+    settings.queues[0].prefetch = 16;
+    settings.queues[0].batch_size = 16;
+    // Retries that outlast the test: 0.2 s, 0.4 s, ... doubling.
+    settings.failure.immediate_retries = 10;
+    settings.failure.immediate_backoff = std::time::Duration::from_millis(200);
+    let others = 400;
+    prefill_keys(&settings, 0..=others).await;
+    let handler = StuckOn {
+        key: 0,
+        stuck: Arc::new(true.into()),
+        ..StuckOn::default()
+    };
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler.clone())
+        .start()
+        .await
+        .unwrap();
+
+    wait_until(
+        "every other message completes while key 0 is still failing",
+        || async { env.scalar("SELECT count(*) FROM counts WHERE key > 0").await == others },
+    )
+    .await;
+    assert_eq!(env.count("counts", 0).await, 0, "key 0 is still failing");
+    assert!(runtime.stats().retried >= 1, "{:?}", runtime.stats());
+    handler.stuck.store(false, Ordering::SeqCst);
+    wait_until("key 0 completes on its own retries", || async {
+        env.count("counts", 0).await == 1
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert!(stats.batches >= 1, "no batches formed: {stats:?}");
+    assert_eq!((stats.delayed, stats.dead_lettered), (0, 0), "{stats:?}");
+    let counted = counts(&env, "counts").await;
+    assert_eq!(counted.len() as i64, others + 1);
+    assert!(counted.values().all(|&n| n == 1), "each once: {counted:?}");
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM inbox_messages").await,
+        others + 1
+    );
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
+#[actix_rt::test]
+async fn a_message_back_from_a_retry_tier_is_processed_alone_not_in_a_batch() {
+    use inbox::internal::fault::headers;
+    use inbox::internal::lapin::BasicProperties;
+    use inbox::internal::lapin::types::{AMQPValue, FieldTable};
+
+    let env = TestEnv::new("batch_returning").await;
+    let settings = batching(&env);
+    declare(&settings).await;
+    // Key 0 as a retry tier hands it back: it failed once already.
+    let mut fault = FieldTable::default();
+    fault.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(1));
+    fault.insert(headers::REDELIVERIES.into(), AMQPValue::LongLongInt(1));
+    let returning = BasicProperties::default()
+        .with_message_id(uuid::Uuid::now_v7().to_string().into())
+        .with_type("Counted".into())
+        .with_content_type("application/json".into())
+        .with_headers(fault);
+    crate::support::publish_to("", &env.queue, returning, br#"{"key": 0}"#).await;
+    prefill_keys(&settings, 1..16).await;
+    let handler = StuckOn::default();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler.clone())
+        .start()
+        .await
+        .unwrap();
+
+    wait_until("all 16 complete", || async { runtime.stats().completed == 16 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert!(stats.batches >= 1, "no batches formed: {stats:?}");
+    let batches = handler.batches_holding_key.lock().unwrap().clone();
+    assert!(batches.is_empty(), "key 0 joined batches of {batches:?}");
+    assert_eq!(env.count("counts", 0).await, 1);
+}
