@@ -5,6 +5,8 @@
 //! history table has a name of its own, so it cannot collide with the
 //! service's own migration tool.
 
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Result};
 
 /// Versioned SQL, applied in order, each once.
@@ -84,27 +86,40 @@ impl Migration {
 
 /// Brings the inbox's schema up to date on `client`'s database. Runs whether
 /// or not the inbox is enabled: turning it on later is a settings change
-/// and a restart, no schema work.
+/// and a restart, no schema work. Waits for another instance's migrations
+/// as [`migrate`] does, at most the default `database.migration_lock_timeout`.
 pub async fn run_migrations(client: &mut tokio_postgres::Client) -> Result<()> {
-    migrate(client, true, &[]).await
+    let lock_wait = crate::settings::DatabaseSettings::default().migration_lock_timeout;
+    migrate(client, true, &[], lock_wait).await
 }
 
 /// Brings the schema up to date on `client`'s database, in one transaction
 /// holding the inbox's advisory lock, so that instances starting together
 /// take turns: the inbox's own migrations if `inbox_tables`, then the
 /// service's `service` ones (recorded in `inbox_service_migrations`).
+///
+/// Waits at most `lock_wait` (`database.migration_lock_timeout`) for
+/// another instance that holds the lock, saying every
+/// 10 s who it is, then fails naming the setting and the
+/// holder. Neither the wait nor the migrations are cut by the pool's
+/// per-message timeouts (`database.lock_timeout`,
+/// `database.transaction_timeout`): an index build or a backfill may take
+/// longer than any message, and cutting it would fail every replica's
+/// start, again and again.
 pub async fn migrate(
     client: &mut tokio_postgres::Client,
     inbox_tables: bool,
     service: &[Migration],
+    lock_wait: Duration,
 ) -> Result<()> {
     check_order(service)?;
     let tx = client.transaction().await?;
-    // Wait as long as another instance takes to migrate: the pool's
-    // connections carry database.lock_timeout, meant for messages.
-    tx.batch_execute("SET LOCAL lock_timeout = 0").await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
-        .await?;
+    tx.batch_execute(
+        "SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0;
+         SET LOCAL idle_in_transaction_session_timeout = 0",
+    )
+    .await?;
+    take_lock(&tx, lock_wait).await?;
     if inbox_tables {
         let inbox: Vec<Migration> = MIGRATIONS
             .iter()
@@ -117,6 +132,93 @@ pub async fn migrate(
     }
     tx.commit().await?;
     Ok(())
+}
+
+/// How often a start waiting for the migration lock says who holds it.
+const HOLDER_REPORT_EVERY: Duration = Duration::from_secs(10);
+
+/// The pauses between two tries of the lock: short, since a lock held for
+/// a moment (a replica finding nothing to do) is the common case.
+const LOCK_PAUSES: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(1));
+
+/// Takes the migration lock for `tx`, trying again until `wait` is over.
+/// Polled rather than waited for in the server, so that the wait can say
+/// who holds the lock while it lasts.
+async fn take_lock(tx: &tokio_postgres::Transaction<'_>, wait: Duration) -> Result<()> {
+    let started = Instant::now();
+    let mut backoff = crate::Backoff::new(LOCK_PAUSES.0, LOCK_PAUSES.1);
+    let mut next_report = started;
+    loop {
+        let taken: bool = tx
+            .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&LOCK_KEY])
+            .await?
+            .try_get(0)?;
+        if taken {
+            if started.elapsed() >= LOCK_PAUSES.1 {
+                tracing::info!(waited = ?started.elapsed(), "took the migration lock");
+            }
+            return Ok(());
+        }
+        let now = Instant::now();
+        if now.duration_since(started) >= wait {
+            let holder = lock_holder(tx).await?;
+            return Err(Error::new(
+                crate::ErrorKind::Database,
+                format!(
+                    "the migration lock is still held after {wait:?} (database.migration_lock_timeout), by {holder}"
+                ),
+            ));
+        }
+        if now >= next_report {
+            let holder = lock_holder(tx).await?;
+            tracing::info!(
+                waited = ?now.duration_since(started),
+                limit = ?wait,
+                "waiting for the migration lock (database.migration_lock_timeout), held by {holder}"
+            );
+            next_report = now + HOLDER_REPORT_EVERY;
+        }
+        let remaining = wait.saturating_sub(now.duration_since(started));
+        tokio::time::sleep(backoff.next_pause().min(remaining)).await;
+    }
+}
+
+/// Who holds the migration lock, as `pg_stat_activity` tells it: enough
+/// for an operator to find the instance (or a DBA's session). Not what it
+/// runs: a statement can quote a secret.
+async fn lock_holder(tx: &tokio_postgres::Transaction<'_>) -> Result<String> {
+    let row = tx
+        .query_opt(
+            "SELECT a.pid, a.application_name, a.client_addr::text, a.usename::text,
+                    date_trunc('second', now() - a.xact_start)::text, a.state
+             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+               AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid
+             LIMIT 1",
+            &[&LOCK_KEY],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok("a session that has just released it".into());
+    };
+    let text = |i: usize| {
+        row.try_get::<_, Option<String>>(i)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    let pid: i32 = row.try_get(0)?;
+    Ok(format!(
+        "pid {pid} (application_name `{}`, client {}, user {}, in its transaction for {}, {})",
+        text(1),
+        match text(2) {
+            addr if addr.is_empty() => "local".to_owned(),
+            addr => addr,
+        },
+        text(3),
+        text(4),
+        text(5)
+    ))
 }
 
 /// Versions must rise: a list out of order is a mistake to report, not to

@@ -279,7 +279,14 @@ async fn prepare_database(settings: &Settings, migrations: &[Migration]) -> Resu
     };
     let mut connection = inbox::internal::wait_for_database(&pool, settings).await?;
     if settings.database.run_migrations || !migrations.is_empty() {
-        inbox::internal::migrate(&mut connection, settings.database.run_migrations, migrations).await?;
+        let database = &settings.database;
+        inbox::internal::migrate(
+            &mut connection,
+            database.run_migrations,
+            migrations,
+            database.migration_lock_timeout,
+        )
+        .await?;
     }
     Ok(pool)
 }

@@ -240,7 +240,8 @@ pub(crate) const SCHEMA: &[inbox_actors::Migration] = &[inbox_actors::Migration:
 /// Applies [`SCHEMA`] (and the inbox's tables) where no runtime is built.
 pub(crate) async fn create_tables(pool: &inbox_actors::tools::deadpool_postgres::Pool) -> Result<()> {
     let mut connection = pool.get().await?;
-    Ok(inbox_actors::tools::migrate(&mut connection, true, SCHEMA).await?)
+    let lock_wait = inbox_actors::settings::DatabaseSettings::default().migration_lock_timeout;
+    Ok(inbox_actors::tools::migrate(&mut connection, true, SCHEMA, lock_wait).await?)
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.

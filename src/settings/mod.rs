@@ -214,6 +214,14 @@ pub struct DatabaseSettings {
     /// the longest wait for a free pooled connection. Default `60s`.
     #[serde(with = "humantime_serde")]
     pub transaction_timeout: Duration,
+    /// `migration_lock_timeout`: the longest a start waits for another
+    /// instance's migrations (the inbox's and the service's, under one
+    /// lock), saying every 10 s who holds the lock; past it the start
+    /// fails naming the holder. The migrations themselves are not bounded
+    /// (an index build may take long), nor cut by `lock_timeout` or
+    /// `transaction_timeout`. Default `10m`.
+    #[serde(with = "humantime_serde")]
+    pub migration_lock_timeout: Duration,
 }
 
 impl std::fmt::Debug for DatabaseSettings {
@@ -225,6 +233,7 @@ impl std::fmt::Debug for DatabaseSettings {
             .field("lock_timeout", &self.lock_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("transaction_timeout", &self.transaction_timeout)
+            .field("migration_lock_timeout", &self.migration_lock_timeout)
             .finish()
     }
 }
@@ -238,6 +247,7 @@ impl Default for DatabaseSettings {
             lock_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             transaction_timeout: Duration::from_secs(60),
+            migration_lock_timeout: Duration::from_secs(600),
         }
     }
 }

@@ -104,6 +104,7 @@ impl DatabaseSettings {
             ));
         }
         check_timer(self.connect_timeout, "database.connect_timeout")?;
+        check_timer(self.migration_lock_timeout, "database.migration_lock_timeout")?;
         if self.transaction_timeout.is_zero() || self.transaction_timeout > MAX_PG_TIMEOUT {
             return Err(Error::setting(
                 "database.transaction_timeout",

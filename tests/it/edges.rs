@@ -501,6 +501,9 @@ async fn two_services_started_together_on_a_fresh_database_both_start() {
     }
 }
 
+/// How long the migration tests wait for each other's lock: the default.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
 #[actix_rt::test]
 async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     let env = TestEnv::new("edge_migrate_together").await;
@@ -517,7 +520,7 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
         let results = futures_util::future::join_all(
             clients
                 .iter_mut()
-                .map(|client| inbox::internal::migrate(client, false, &schema)),
+                .map(|client| inbox::internal::migrate(client, false, &schema, LOCK_WAIT)),
         )
         .await;
         for result in results {
@@ -535,11 +538,11 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     }
     // A version applied under one name and listed under another is refused.
     let mut client = env.db().await;
-    inbox::internal::migrate(&mut client, false, &schema)
+    inbox::internal::migrate(&mut client, false, &schema, LOCK_WAIT)
         .await
         .unwrap();
     let renamed = [inbox::Migration::new(1, "customers", "CREATE TABLE customers ()")];
-    let refused = inbox::internal::migrate(&mut client, false, &renamed)
+    let refused = inbox::internal::migrate(&mut client, false, &renamed, LOCK_WAIT)
         .await
         .unwrap_err()
         .to_string();

@@ -348,3 +348,84 @@ async fn a_store_with_only_the_two_required_methods_works_end_to_end() {
     );
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+/// The advisory lock every instance's migrations hold ("inbox" in ASCII):
+/// a contract between versions, named in docs/operations.md.
+const MIGRATION_LOCK: i64 = 0x0069_6e62_6f78;
+
+/// A session of "another replica" holding the migration lock until it is
+/// released or dropped.
+async fn hold_migration_lock(env: &TestEnv) -> inbox::tokio_postgres::Client {
+    let holder = env.db().await;
+    holder
+        .batch_execute(&format!(
+            "SET application_name = 'other-replica'; BEGIN; SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"
+        ))
+        .await
+        .unwrap();
+    holder
+}
+
+/// The settings of a start whose per-message timeouts are short: a second.
+fn impatient(env: &TestEnv) -> inbox::Settings {
+    let mut settings = env.settings();
+    settings.message_bus.provider = Provider::InProcess;
+    settings.database.transaction_timeout = std::time::Duration::from_secs(1);
+    settings.database.lock_timeout = std::time::Duration::from_millis(200);
+    settings
+}
+
+#[actix_rt::test]
+async fn a_start_waits_out_another_instances_migrations_past_the_per_message_timeouts() {
+    let env = TestEnv::new("migration_lock_wait").await;
+    let holder = hold_migration_lock(&env).await;
+    // Released after three times the transaction timeout.
+    let release = actix_rt::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        holder.batch_execute("COMMIT").await.unwrap();
+    });
+    // A migration of the service's that takes longer than the timeout too.
+    let slow = [inbox::Migration::new(
+        1,
+        "slow_backfill",
+        "SELECT pg_sleep(1.5); CREATE TABLE backfilled (id bigint PRIMARY KEY)",
+    )];
+    let log = Captured::default();
+    let capturing = log.install();
+    let runtime = Runtime::builder(impatient(&env).valid())
+        .migrations(&slow)
+        .start()
+        .await
+        .expect("the start waits for the lock and runs the slow migration");
+    drop(capturing);
+    runtime.shutdown().await;
+    release.await.unwrap();
+
+    let text = log.text();
+    assert!(
+        text.contains("waiting for the migration lock") && text.contains("other-replica"),
+        "the wait names who holds the lock: {text}"
+    );
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name = 'backfilled'")
+            .await,
+        1
+    );
+}
+
+#[actix_rt::test]
+async fn a_start_gives_up_on_the_migration_lock_after_its_own_bound_naming_the_holder() {
+    let env = TestEnv::new("migration_lock_bound").await;
+    let _holder = hold_migration_lock(&env).await;
+    let mut settings = impatient(&env);
+    settings.database.migration_lock_timeout = std::time::Duration::from_secs(2);
+    let error = Runtime::builder(settings.valid())
+        .start()
+        .await
+        .expect_err("the lock is never released")
+        .to_string();
+    assert!(
+        error.contains("database.migration_lock_timeout") && error.contains("other-replica"),
+        "{error}"
+    );
+}
