@@ -185,6 +185,7 @@ impl RuntimeBuilder {
         }
 
         let runtime = Runtime {
+            stopped: false,
             publisher: Publisher::in_process(
                 dedup.clone().recipient(),
                 settings
@@ -323,7 +324,9 @@ impl std::fmt::Debug for RuntimeBuilder {
 
 /// A started runtime, consuming. Keep it for as long as the service runs;
 /// end it with [`run_until`](Self::run_until) (a signal, say), or with
-/// [`shutdown`](Self::shutdown) when the service ends it itself.
+/// [`shutdown`](Self::shutdown) when the service ends it itself. Dropped
+/// without either, it starts its shutdown in the background and returns at
+/// once: nothing waits for the messages in flight (see its `Drop`).
 ///
 /// ```no_run
 /// use inbox_actors::{EventHandler, HandlerError, IntegrationEvent, Runtime, Settings, UnitOfWork};
@@ -353,7 +356,11 @@ impl std::fmt::Debug for RuntimeBuilder {
 ///     Ok(())
 /// }
 /// ```
+#[must_use = "a runtime dropped at once stops again: keep it, then `run_until` or `shutdown` it"]
 pub struct Runtime {
+    /// Whether [`shutdown`](Self::shutdown) has run: a drop has nothing
+    /// left to do.
+    stopped: bool,
     settings: ValidSettings,
     /// The event types handlers are registered for.
     handled: HandledTypes,
@@ -550,39 +557,79 @@ impl Runtime {
     /// Stops consuming, lets the messages in flight finish (at most
     /// `runtime.shutdown_timeout`; what does not finish is redelivered
     /// later), then closes the broker connections and the pool.
-    pub async fn shutdown(self) {
-        self.health.draining.store(true, Ordering::Relaxed);
-        let drains = join_all(self.consumers.iter().map(|consumer| consumer.send(Drain)));
+    pub async fn shutdown(mut self) {
+        self.stopped = true;
+        self.stopping().await;
+    }
+
+    /// The shutdown, on handles of its own: [`shutdown`](Self::shutdown)
+    /// awaits it, a drop spawns it.
+    fn stopping(&self) -> impl Future<Output = ()> + 'static {
+        let health = Arc::clone(&self.health);
+        let consumers = self.consumers.clone();
+        let retention = self.retention.clone();
+        let dispatcher = self.dispatcher.clone();
+        let publisher = self.publisher.clone();
+        let pool = self.pool.clone();
+        let stats = Arc::clone(&self.stats);
         let timeout = self.settings.runtime.shutdown_timeout;
-        if tokio::time::timeout(timeout, drains).await.is_err() {
-            tracing::warn!(
-                ?timeout,
-                "messages still in flight at the shutdown timeout; they will be redelivered"
-            );
-        }
         // Closing waits for the broker's answer, which a broker whose
         // packets vanish never gives: bounded, like every wait.
         let patience = self.settings.message_bus.connect_timeout;
-        let closing = async {
-            join_all(self.consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
-            if let Some(retention) = &self.retention {
-                let _ = retention.send(StopSweeping).await;
+        async move {
+            health.draining.store(true, Ordering::Relaxed);
+            let drains = join_all(consumers.iter().map(|consumer| consumer.send(Drain)));
+            if tokio::time::timeout(timeout, drains).await.is_err() {
+                tracing::warn!(
+                    ?timeout,
+                    "messages still in flight at the shutdown timeout; they will be redelivered"
+                );
             }
-            if let Some(dispatcher) = &self.dispatcher {
-                let _ = dispatcher.send(StopDispatching).await;
+            let closing = async {
+                join_all(consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
+                if let Some(retention) = &retention {
+                    let _ = retention.send(StopSweeping).await;
+                }
+                if let Some(dispatcher) = &dispatcher {
+                    let _ = dispatcher.send(StopDispatching).await;
+                }
+                if let Err(e) = publisher.close().await {
+                    tracing::warn!(error = %e, "closing the publishing connection failed");
+                }
+            };
+            if tokio::time::timeout(patience, closing).await.is_err() {
+                tracing::warn!(
+                    ?patience,
+                    "the broker did not answer the close; leaving without it"
+                );
             }
-            if let Err(e) = self.publisher.close().await {
-                tracing::warn!(error = %e, "closing the publishing connection failed");
-            }
-        };
-        if tokio::time::timeout(patience, closing).await.is_err() {
-            tracing::warn!(
-                ?patience,
-                "the broker did not answer the close; leaving without it"
-            );
+            pool.close();
+            tracing::info!(stats = ?stats.snapshot(), "runtime stopped");
         }
-        self.pool.close();
-        tracing::info!(stats = ?self.stats.snapshot(), "runtime stopped");
+    }
+}
+
+/// A runtime dropped without [`Runtime::shutdown`] (or
+/// [`Runtime::run_until`]) starts the same shutdown in the background, on
+/// the actix system it was started on: it stops consuming, lets the
+/// messages in flight finish and closes its connections, and says so in a
+/// WARN. Nothing waits for it: a process that exits right after the drop
+/// leaves its messages in flight to be redelivered.
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        if actix_rt::Arbiter::try_current().is_none() {
+            tracing::warn!(
+                "the runtime was dropped outside its actix system without `shutdown`: its actors stop with the system"
+            );
+            return;
+        }
+        tracing::warn!(
+            "the runtime was dropped without `shutdown`: stopping it in the background (await `shutdown` or `run_until` to wait for the messages in flight)"
+        );
+        actix_rt::spawn(self.stopping());
     }
 }
 

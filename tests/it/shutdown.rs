@@ -124,3 +124,34 @@ async fn run_until_consumes_until_its_future_resolves_then_drains() {
     assert_eq!(env.consumers(&env.queue).await, Some(0), "it stopped consuming");
     assert_eq!(env.ready(&env.queue).await, 0);
 }
+
+#[actix_rt::test]
+async fn a_runtime_dropped_without_shutdown_drains_in_the_background() {
+    let env = TestEnv::new("shutdown_on_drop").await;
+    let mut settings = env.settings();
+    settings.queues[0].prefetch = 1;
+    let started = Arc::new(AtomicBool::new(false));
+    let slow = Slow {
+        started: Arc::clone(&started),
+        pause: Duration::from_millis(300),
+    };
+    let runtime = Runtime::builder(settings.valid())
+        .handler(slow)
+        .start()
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..5).await;
+    wait_until("the first message is in its handler", || async {
+        started.load(Ordering::SeqCst)
+    })
+    .await;
+    let monitor = runtime.monitor();
+    drop(runtime);
+
+    wait_until("the consumer is gone and the rest wait in the queue", || async {
+        env.consumers(&env.queue).await == Some(0) && env.ready(&env.queue).await == 4
+    })
+    .await;
+    assert_eq!(monitor.stats().completed, 1, "the message in flight finished");
+    assert_eq!(env.count("counts", 0).await, 1);
+}
