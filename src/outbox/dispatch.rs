@@ -260,7 +260,13 @@ impl Round {
             let tries = u32::try_from(attempts).unwrap_or(u32::MAX);
             // One the broker will never take is parked at once.
             let dead = tries >= settings.max_attempts || error.kind() == crate::ErrorKind::Unpublishable;
-            let pause = Backoff::nth(settings.retry_backoff, tries - 1, settings.max_retry_backoff);
+            // Drawn at random below its value: the rows an outage failed
+            // together, on every replica, come due apart.
+            let pause = Backoff::jitter(Backoff::nth(
+                settings.retry_backoff,
+                tries - 1,
+                settings.max_retry_backoff,
+            ));
             let reason =
                 crate::fault::truncate(&crate::describe(&error), crate::fault::MAX_REASON_BYTES).into_owned();
             let message_id = outgoing.message_id;

@@ -460,7 +460,9 @@ pub struct OutboxSettings {
     /// Default 100.
     pub batch_size: u32,
     /// `retry_backoff`: the pause after a row's failed publish, doubled
-    /// after each next failure up to `max_retry_backoff`. Default `1s`.
+    /// after each next failure up to `max_retry_backoff`, each pause drawn
+    /// between half and all of that (rows failed together come due
+    /// apart). Default `1s`.
     #[serde(with = "humantime_serde")]
     pub retry_backoff: Duration,
     /// `max_retry_backoff`: the longest pause between a row's tries.
