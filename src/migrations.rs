@@ -41,6 +41,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_dead_rows",
         include_str!("migrations/0006_outbox_dead_rows.sql"),
     ),
+    (
+        7,
+        "outbox_room_to_lease",
+        include_str!("migrations/0007_outbox_room_to_lease.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

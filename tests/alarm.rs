@@ -52,6 +52,9 @@ async fn while_the_broker_blocks_publishing_the_outbox_waits_and_sends_each_row_
     let mut settings = env.settings();
     settings.message_bus.confirm_timeout = Duration::from_secs(1);
     settings.outbox.poll_interval = Duration::from_millis(200);
+    // The server ends a session idle in a transaction after half a second,
+    // well within the alarm: no round may hold one across its publish.
+    settings.database.transaction_timeout = Duration::from_millis(500);
     // All in one round: every publish is held by the alarm, and once it
     // lifts each waits for those before it.
     const ROWS: u16 = 2000;

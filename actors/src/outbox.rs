@@ -133,8 +133,8 @@ impl OutboxActor {
             let mut failing: Option<(std::time::Instant, u64)> = None;
             while !*stop.borrow() {
                 // Rounds go on while they come back full. A panic fails the
-                // drain, never the loop: the claimed rows roll back with
-                // their connection and come due again.
+                // drain, never the loop: the claimed rows come due again
+                // once their lease ends.
                 // A round that found the broker away ends the drain: the
                 // next waits for a wake or the poll.
                 let mut unsent = 0;

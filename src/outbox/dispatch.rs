@@ -1,8 +1,17 @@
-//! Dispatching: rounds that claim due rows, publish them and settle them
-//! in one transaction, and draining, rounds pipelined while they come back
-//! full.
+//! Dispatching: rounds that claim due rows, publish them and settle them,
+//! and draining, rounds pipelined while they come back full.
+//!
+//! No transaction stays open across a publish: a round claims its rows by
+//! leasing them (their `next_attempt_at` moved past the publish, in a short
+//! transaction of its own), renews the lease while the broker takes its
+//! time (an alarm can hold a confirm for minutes), and settles in another
+//! short transaction. A transaction held open across a publish would be
+//! ended by the server's `idle_in_transaction_session_timeout` during an
+//! alarm, its confirmed rows' delete lost and the rows sent again, and it
+//! would hold back vacuum meanwhile.
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::Pool;
 use futures_util::FutureExt;
@@ -43,9 +52,10 @@ impl DispatchReport {
 }
 
 /// One round: claims up to `outbox.batch_size` due rows in staging order
-/// after `seq` `after` (0 for all), publishes them (confirms awaited
-/// together, sent in order), deletes the confirmed ones and reschedules or
-/// parks the others, in one transaction.
+/// after `seq` `after` (0 for all), leased for `outbox.claim_lease`;
+/// publishes them (confirms awaited together, sent in order), renewing the
+/// lease while that lasts; then deletes the confirmed ones and reschedules
+/// or parks the others.
 ///
 /// Why `after`: a queue table's deleted rows stay in its index until
 /// vacuumed, and a scan from the start walks past every one of them; a
@@ -60,8 +70,8 @@ pub async fn dispatch(
     after: i64,
 ) -> Result<DispatchReport> {
     let round = Round::claim(pool, settings, after).await?;
-    let results = round.publish(sink).await;
-    round.settle(results, settings).await
+    let results = round.publish(pool, sink, settings).await;
+    round.settle(pool, results, settings).await
 }
 
 /// Dispatches rounds ([`dispatch`]) from the start of the table until one
@@ -97,23 +107,25 @@ pub async fn drain(
         let claim_next = current.is_full(settings);
         let after = current.last_seq().unwrap_or(0);
         let previous_round = previous.take();
-        let (results, (settled, next)) = futures_util::future::join(current.publish(sink), async {
-            let settled = match previous_round {
-                Some((round, results)) => Some(round.settle(results, settings).await),
-                None => None,
-            };
-            // Not once settling failed: the database is likely away.
-            let next = match (&settled, claim_next) {
-                (Some(Err(_)), _) | (_, false) => None,
-                _ => Some(Round::claim(pool, settings, after).await),
-            };
-            (settled, next)
-        })
-        .await;
+        let (results, (settled, next)) =
+            futures_util::future::join(current.publish(pool, sink, settings), async {
+                let settled = match previous_round {
+                    Some((round, results)) => Some(round.settle(pool, results, settings).await),
+                    None => None,
+                };
+                // Not once settling failed: the database is likely away.
+                let next = match (&settled, claim_next) {
+                    (Some(Err(_)), _) | (_, false) => None,
+                    _ => Some(Round::claim(pool, settings, after).await),
+                };
+                (settled, next)
+            })
+            .await;
         let stop = match settled {
             Some(Ok(report)) => !go_on(&report),
-            // The round just published rolls back with its connection, to
-            // be published again (same message_ids).
+            // The database is likely away. The round just published, and
+            // the one claimed, stay leased: published again (same
+            // message_ids) once their lease ends.
             Some(Err(e)) => return Err(e),
             None => false,
         };
@@ -122,10 +134,10 @@ pub async fn drain(
             // The table is drained, the claim failed, or it is time to
             // stop: settle what was published, then return.
             next => {
-                let report = current.settle(results, settings).await?;
+                let report = current.settle(pool, results, settings).await?;
                 go_on(&report);
                 return match next {
-                    Some(Ok(unpublished)) => unpublished.uow.rollback().await,
+                    Some(Ok(unpublished)) => unpublished.release(pool).await,
                     Some(Err(e)) => Err(e),
                     None => Ok(()),
                 };
@@ -134,54 +146,72 @@ pub async fn drain(
     }
 }
 
-/// The rows one round claimed, locked by the transaction that will delete
-/// them once confirmed.
+/// The rows one round claimed: leased to it, their `next_attempt_at` moved
+/// to the lease's end, which no other dispatcher's claim passes.
 struct Round {
-    uow: UnitOfWork,
     /// `(seq, attempts)` per row, in the order of `outgoing`.
     rows: Vec<(i64, i32)>,
     outgoing: Vec<Outgoing>,
+    /// The lease's end as the claim (or the last renewal) wrote it into
+    /// every row: the token that says a row is still this round's. A row
+    /// whose lease ran out and that another round claimed has another.
+    leased_until: Mutex<SystemTime>,
+}
+
+/// The settings of a round's short transactions. Losing a commit in a
+/// crash costs a resend with the same message_id, which the receiving
+/// inbox skips: no need to wait for its flush to disk. And the claim
+/// always reads the pending rows' index in seq order, stopping after
+/// batch_size: before autovacuum has analyzed a table that filled in a
+/// burst, the planner takes `dead_at IS NULL` for rare and picks every
+/// matching row through a bitmap, then sorts them, a round costing 25 ms
+/// on 50,000 rows, not 2.
+const ROUND_SETTINGS: &str = "SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off;
+                              SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
+
+/// A short transaction for a round's statements, [`ROUND_SETTINGS`] sent in
+/// the pipeline with BEGIN and the first statement, unanswered: were they
+/// to fail, the transaction aborts and that statement with it.
+async fn round_transaction(pool: &Pool) -> Result<UnitOfWork> {
+    let uow = UnitOfWork::begin(pool.get().await?).await?;
+    if let Some(Err(e)) = uow.client().batch_execute(ROUND_SETTINGS).now_or_never() {
+        return Err(e.into());
+    }
+    Ok(uow)
 }
 
 impl Round {
     async fn claim(pool: &Pool, settings: &OutboxSettings, after: i64) -> Result<Self> {
-        let uow = UnitOfWork::begin(pool.get().await?).await?;
-        // Losing this transaction's commit in a crash costs a resend with
-        // the same message_id, which the receiving inbox skips: no need to
-        // wait for its flush to disk. And the claim always reads the
-        // pending rows' index in seq order, stopping after batch_size:
-        // before autovacuum has analyzed a table that filled in a burst,
-        // the planner takes `dead_at IS NULL` for rare and picks every
-        // matching row through a bitmap, then sorts them, a round costing
-        // 25 ms on 50,000 rows, not 2. Sent in the pipeline with BEGIN
-        // and the claim, unanswered: were it to fail, the transaction
-        // aborts and the claim fails with it.
-        let settings_sql = "SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off;
-                            SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
-        if let Some(Err(e)) = uow.client().batch_execute(settings_sql).now_or_never() {
-            return Err(e.into());
-        }
+        let uow = round_transaction(pool).await?;
         let claim = uow
             .client()
             .prepare_cached(
-                "SELECT seq, message_id, exchange, routing_key, message_type, headers::text AS headers, body, attempts
-                 FROM outbox_messages
-                 WHERE dead_at IS NULL AND next_attempt_at <= now() AND seq > $2
-                 ORDER BY seq
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED",
+                "UPDATE outbox_messages o SET next_attempt_at = now() + $3 * interval '1 millisecond'
+                 FROM (SELECT seq FROM outbox_messages
+                       WHERE dead_at IS NULL AND next_attempt_at <= now() AND seq > $2
+                       ORDER BY seq
+                       LIMIT $1
+                       FOR UPDATE SKIP LOCKED) due
+                 WHERE o.seq = due.seq
+                 RETURNING o.seq, o.message_id, o.exchange, o.routing_key, o.message_type,
+                           o.headers::text AS headers, o.body, o.attempts, o.next_attempt_at",
             )
             .await?;
-        let claimed = uow
-            .client()
-            .query(&claim, &[&i64::from(settings.batch_size), &after])
+        let lease = millis(settings.claim_lease);
+        let mut claimed = uow
+            .query_then_commit(&claim, &[&i64::from(settings.batch_size), &after, &lease])
             .await?;
+        // RETURNING keeps no order.
+        claimed.sort_by_cached_key(|row| row.try_get::<_, i64>("seq").unwrap_or(i64::MAX));
         // `try_get`: a column whose type changed under the runtime fails
         // the round with an error that names it, rather than a panic.
         let mut rows = Vec::with_capacity(claimed.len());
         let mut outgoing = Vec::with_capacity(claimed.len());
+        let mut leased_until = SystemTime::UNIX_EPOCH;
         for row in &claimed {
             rows.push((row.try_get("seq")?, row.try_get("attempts")?));
+            // One now() per transaction: the same for every row.
+            leased_until = row.try_get("next_attempt_at")?;
             let message_id = row.try_get("message_id")?;
             outgoing.push(Outgoing {
                 message_id,
@@ -192,7 +222,62 @@ impl Round {
                 body: row.try_get("body")?,
             });
         }
-        Ok(Self { uow, rows, outgoing })
+        Ok(Self {
+            rows,
+            outgoing,
+            leased_until: Mutex::new(leased_until),
+        })
+    }
+
+    fn seqs(&self) -> Vec<i64> {
+        self.rows.iter().map(|&(seq, _)| seq).collect()
+    }
+
+    /// The lease's end as last written.
+    fn leased_until(&self) -> SystemTime {
+        *self
+            .leased_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Moves the lease's end `claim_lease` ahead on the rows still this
+    /// round's. One that fails (the database away) is tried again at the
+    /// next renewal; should the lease run out meanwhile, another dispatcher
+    /// may send the rows too, with the same message_ids.
+    async fn renew(&self, pool: &Pool, settings: &OutboxSettings) -> Result<()> {
+        let until = self.leased_until();
+        let renewed = pool
+            .get()
+            .await?
+            .query(
+                "UPDATE outbox_messages SET next_attempt_at = now() + $3 * interval '1 millisecond'
+                 WHERE seq = ANY($1) AND next_attempt_at = $2
+                 RETURNING next_attempt_at",
+                &[&self.seqs(), &until, &millis(settings.claim_lease)],
+            )
+            .await?;
+        if let Some(row) = renewed.first() {
+            let until = row.try_get(0)?;
+            *self
+                .leased_until
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = until;
+        }
+        Ok(())
+    }
+
+    /// Gives the rows back unpublished: due at once again.
+    async fn release(self, pool: &Pool) -> Result<()> {
+        pool.get()
+            .await?
+            .execute(
+                "UPDATE outbox_messages SET next_attempt_at = now()
+                 WHERE seq = ANY($1) AND next_attempt_at = $2",
+                &[&self.seqs(), &self.leased_until()],
+            )
+            .await?;
+        Ok(())
     }
 
     fn is_full(&self, settings: &OutboxSettings) -> bool {
@@ -213,7 +298,26 @@ impl Round {
     /// only the one that fails alone is charged an attempt, and the others
     /// leave now (again, for those whose confirm the close cut off: the
     /// same `message_id`, which the receiving inbox skips).
-    async fn publish(&self, sink: &dyn Sink) -> Vec<Result<()>> {
+    ///
+    /// Renews the lease every third of `outbox.claim_lease` until done.
+    async fn publish(&self, pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -> Vec<Result<()>> {
+        let publishing = std::pin::pin!(self.send_all(sink));
+        let renewing = std::pin::pin!(async {
+            loop {
+                tokio::time::sleep(settings.claim_lease / 3).await;
+                if let Err(e) = self.renew(pool, settings).await {
+                    tracing::debug!(error = %e, "cannot renew the outbox round's lease; trying again");
+                }
+            }
+        });
+        match futures_util::future::select(publishing, renewing).await {
+            futures_util::future::Either::Left((results, _)) => results,
+            futures_util::future::Either::Right((never, _)) => never,
+        }
+    }
+
+    /// [`publish`](Self::publish) without the lease.
+    async fn send_all(&self, sink: &dyn Sink) -> Vec<Result<()>> {
         let mut results = join_all(self.outgoing.iter().map(|message| sink.send(message))).await;
         let closed = |result: &Result<()>| matches!(result, Err(e) if e.is_channel_closed_by_broker() && !e.is_broker_unavailable());
         if results.iter().filter(|result| closed(result)).count() > 1 {
@@ -229,15 +333,24 @@ impl Round {
         results
     }
 
-    /// Deletes the confirmed rows, reschedules or parks the others, and
-    /// commits.
-    async fn settle(self, results: Vec<Result<()>>, settings: &OutboxSettings) -> Result<DispatchReport> {
+    /// Deletes the confirmed rows, reschedules or parks the others (those
+    /// still this round's), and gives back the unsent ones, in one short
+    /// transaction.
+    async fn settle(
+        self,
+        pool: &Pool,
+        results: Vec<Result<()>>,
+        settings: &OutboxSettings,
+    ) -> Result<DispatchReport> {
         let mut report = DispatchReport {
             claimed: self.rows.len(),
             last_seq: self.last_seq(),
             ..DispatchReport::default()
         };
+        let uow = round_transaction(pool).await?;
+        let leased_until = self.leased_until();
         let mut confirmed: Vec<i64> = Vec::new();
+        let mut unsent: Vec<i64> = Vec::new();
         let mut unreachable = None;
         for ((&(seq, attempts), outgoing), result) in self.rows.iter().zip(&self.outgoing).zip(results) {
             let Err(error) = result else {
@@ -246,11 +359,12 @@ impl Round {
             };
             if error.is_broker_unavailable() {
                 // Not the row's doing: a lost node, a broker restarting, an
-                // alarm. It stays as it was, due, and goes out with a later
-                // round (again, if the broker took it after all: the same
-                // message_id, which the receiving inbox skips). An outage
-                // parks no row, however long it lasts.
+                // alarm. It is given back as it was, due, and goes out with a
+                // later round (again, if the broker took it after all: the
+                // same message_id, which the receiving inbox skips). An
+                // outage parks no row, however long it lasts.
                 report.unsent += 1;
+                unsent.push(seq);
                 unreachable.get_or_insert(error);
                 continue;
             }
@@ -277,28 +391,37 @@ impl Round {
                 report.failed += 1;
                 tracing::warn!(%message_id, attempts, %reason, "outbox message not published; trying again in {pause:?}");
             }
-            self.uow
-                .client()
+            uow.client()
                 .execute(
                     "UPDATE outbox_messages
                      SET attempts = $2, last_error = $3,
                          next_attempt_at = now() + $4 * interval '1 millisecond',
                          dead_at = CASE WHEN $5 THEN now() END
-                     WHERE seq = $1",
-                    &[&seq, &attempts, &reason, &millis(pause), &dead],
+                     WHERE seq = $1 AND next_attempt_at = $6",
+                    &[&seq, &attempts, &reason, &millis(pause), &dead, &leased_until],
                 )
                 .await?;
         }
-        if !confirmed.is_empty() {
-            let delete = self
-                .uow
+        if !unsent.is_empty() {
+            uow.client()
+                .execute(
+                    "UPDATE outbox_messages SET next_attempt_at = now()
+                     WHERE seq = ANY($1) AND next_attempt_at = $2",
+                    &[&unsent, &leased_until],
+                )
+                .await?;
+        }
+        // Confirmed: gone, whoever holds the lease now.
+        if confirmed.is_empty() {
+            uow.commit().await?;
+        } else {
+            let delete = uow
                 .client()
                 .prepare_cached("DELETE FROM outbox_messages WHERE seq = ANY($1)")
                 .await?;
-            self.uow.client().execute(&delete, &[&confirmed]).await?;
+            uow.query_then_commit(&delete, &[&confirmed]).await?;
         }
         report.dispatched = confirmed.len();
-        self.uow.commit().await?;
         if let Some(error) = unreachable {
             // The dispatcher logs the outage once, at WARN; each round's
             // cause is here.

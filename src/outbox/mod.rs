@@ -4,13 +4,13 @@
 //! [`UnitOfWork::publish`](crate::UnitOfWork::publish) stages a row of
 //! `outbox_messages` in the caller's transaction, written with its
 //! `COMMIT`; [`dispatch`] claims due
-//! rows (`FOR UPDATE SKIP LOCKED`, so several instances never hold the same
-//! row), publishes them with publisher confirms (and `mandatory`, on this
-//! library's wire: see [`Sink`]), and deletes
-//! the confirmed ones in the transaction that claimed them. A crash between
-//! the confirm and the delete publishes the row again, with the same
-//! `message_id`, which the receiving inbox skips: at-least-once delivery
-//! with stable ids, exactly-once effects downstream.
+//! rows (`FOR UPDATE SKIP LOCKED`, leased for `outbox.claim_lease`, so
+//! several instances never hold the same row and no transaction stays open
+//! across a publish), publishes them with publisher confirms (and
+//! `mandatory`, on this library's wire: see [`Sink`]), and deletes the
+//! confirmed ones. A crash between the confirm and the delete publishes the
+//! row again, with the same `message_id`, which the receiving inbox skips:
+//! at-least-once delivery with stable ids, exactly-once effects downstream.
 //!
 //! A row whose publish fails (unroutable, an exchange that does not exist,
 //! a broker error) waits `outbox.retry_backoff`, doubled after each next

@@ -473,6 +473,13 @@ pub struct OutboxSettings {
     /// (`dead_at` set, its last error kept) and no longer blocks or costs
     /// anything. Default 10.
     pub max_attempts: u32,
+    /// `claim_lease`: how long a round's claim keeps other dispatchers off
+    /// its rows, renewed every third of it while the round's publish lasts
+    /// (an alarm can hold a confirm for minutes): no transaction stays
+    /// open across a publish. After a crash, the rows the round held go out
+    /// again once it ends. At least `1s`. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub claim_lease: Duration,
 }
 
 impl Default for OutboxSettings {
@@ -483,6 +490,7 @@ impl Default for OutboxSettings {
             retry_backoff: Duration::from_secs(1),
             max_retry_backoff: Duration::from_secs(300),
             max_attempts: 10,
+            claim_lease: Duration::from_secs(30),
         }
     }
 }

@@ -209,6 +209,12 @@ impl RetentionSettings {
 impl OutboxSettings {
     fn validate(&self) -> Result<()> {
         check_timer(self.poll_interval, "outbox.poll_interval")?;
+        check_timer(self.claim_lease, "outbox.claim_lease")?;
+        if self.claim_lease < Duration::from_secs(1) {
+            // Renewed every third of it, a round trip each: any shorter and
+            // a busy database lets it lapse, the rows sent twice.
+            return Err(Error::setting("outbox.claim_lease", "must be at least 1s"));
+        }
         if !(1..=10_000).contains(&self.batch_size) {
             return Err(Error::setting("outbox.batch_size", "must be from 1 to 10000"));
         }

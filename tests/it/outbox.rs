@@ -888,3 +888,86 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
     assert_eq!(backlog.oldest_pending, Some(std::time::Duration::MAX));
     pool.close();
 }
+
+/// Takes each row once `open` is set (as a broker holding its confirms
+/// through an alarm would), and records the ids it took.
+#[derive(Clone, Default)]
+struct HeldSink {
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sent: std::sync::Arc<std::sync::Mutex<Vec<uuid::Uuid>>>,
+}
+
+impl inbox::internal::Sink for HeldSink {
+    fn send<'a>(
+        &'a self,
+        outgoing: &'a inbox::internal::Outgoing,
+    ) -> futures_util::future::BoxFuture<'a, inbox::Result<()>> {
+        Box::pin(async move {
+            while !self.open.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            self.sent.lock().unwrap().push(outgoing.message_id);
+            Ok(())
+        })
+    }
+}
+
+#[actix_rt::test]
+async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_else_sends_its_rows() {
+    let env = TestEnv::new("outbox_lease").await;
+    let mut settings = env.settings();
+    // The server ends a session idle in a transaction after a second.
+    settings.database.transaction_timeout = Duration::from_secs(1);
+    settings.outbox.claim_lease = Duration::from_secs(1);
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
+    for key in 0..3 {
+        stage_from_another_session(&env, "nowhere", key).await;
+    }
+    let pool = inbox::internal::create_pool(&settings).unwrap();
+    let held = HeldSink::default();
+    let dispatching = inbox::internal::dispatch(&pool, &held, &settings.outbox, 0);
+    let watching = async {
+        // Three leases long: the round renews its own. (A claim's own
+        // transaction is idle between its statement and its COMMIT, for
+        // the round trip: not what is looked for.)
+        let until = std::time::Instant::now() + Duration::from_secs(3);
+        let mut other_claims = 0;
+        while std::time::Instant::now() < until {
+            let idle = env
+                .scalar(&format!(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = '{}' AND state LIKE 'idle in transaction%'
+                       AND state_change < now() - interval '300 milliseconds'",
+                    env.database
+                ))
+                .await;
+            assert_eq!(idle, 0, "a transaction is held open across the publish");
+            // Another dispatcher finds nothing to claim meanwhile.
+            let other = HeldSink {
+                open: std::sync::Arc::new(true.into()),
+                ..HeldSink::default()
+            };
+            let report = inbox::internal::dispatch(&pool, &other, &settings.outbox, 0)
+                .await
+                .unwrap();
+            other_claims += report.claimed;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        held.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        other_claims
+    };
+    let (report, other_claims) = futures_util::future::join(dispatching, watching).await;
+    let report = report.expect("the round settles after its long publish");
+
+    assert_eq!(other_claims, 0, "another dispatcher claimed leased rows");
+    assert_eq!((report.claimed, report.dispatched), (3, 3));
+    let sent = held.sent.lock().unwrap().clone();
+    assert_eq!(
+        sent.iter().collect::<HashSet<_>>().len(),
+        3,
+        "each row once: {sent:?}"
+    );
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+}
