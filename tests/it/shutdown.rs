@@ -21,9 +21,9 @@ impl EventHandler<Counted> for Slow {
     }
 }
 
-#[actix_rt::test]
-async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
-    let env = TestEnv::new("shutdown_drains").await;
+/// A runtime consuming one message at a time with a handler that takes
+/// 300 ms, five messages published, the first in its handler.
+async fn first_of_five_in_flight(env: &TestEnv) -> Runtime {
     let mut settings = env.settings();
     settings.queues[0].prefetch = 1;
     let started = Arc::new(AtomicBool::new(false));
@@ -41,6 +41,13 @@ async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
         started.load(Ordering::SeqCst)
     })
     .await;
+    runtime
+}
+
+#[actix_rt::test]
+async fn shutdown_finishes_the_message_in_flight_and_leaves_the_rest_queued() {
+    let env = TestEnv::new("shutdown_drains").await;
+    let runtime = first_of_five_in_flight(&env).await;
     let monitor = runtime.monitor();
     runtime.shutdown().await;
 
@@ -128,23 +135,7 @@ async fn run_until_consumes_until_its_future_resolves_then_drains() {
 #[actix_rt::test]
 async fn a_runtime_dropped_without_shutdown_drains_in_the_background() {
     let env = TestEnv::new("shutdown_on_drop").await;
-    let mut settings = env.settings();
-    settings.queues[0].prefetch = 1;
-    let started = Arc::new(AtomicBool::new(false));
-    let slow = Slow {
-        started: Arc::clone(&started),
-        pause: Duration::from_millis(300),
-    };
-    let runtime = Runtime::builder(settings.valid())
-        .handler(slow)
-        .start()
-        .await
-        .unwrap();
-    publish_keys(&runtime, &env.queue, 0..5).await;
-    wait_until("the first message is in its handler", || async {
-        started.load(Ordering::SeqCst)
-    })
-    .await;
+    let runtime = first_of_five_in_flight(&env).await;
     let monitor = runtime.monitor();
     drop(runtime);
 
