@@ -13,6 +13,8 @@ pub(crate) mod backoff;
 pub(crate) mod confirms;
 #[path = "db.rs"]
 pub(crate) mod db;
+#[path = "deliveries.rs"]
+pub mod deliveries;
 #[path = "envelope.rs"]
 pub(crate) mod envelope;
 #[path = "fault.rs"]

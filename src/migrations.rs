@@ -46,6 +46,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_room_to_lease",
         include_str!("migrations/0007_outbox_room_to_lease.sql"),
     ),
+    (
+        8,
+        "inbox_deliveries",
+        include_str!("migrations/0008_inbox_deliveries.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -28,6 +28,10 @@ pub enum Stage {
     /// Reading the delivery's properties: no `message_id`, one that is not a
     /// UUID, no `type`, a `content_type` that is not JSON.
     Decode,
+    /// Delivered `queues[].delivery_limit` times without an outcome, on a
+    /// queue whose broker does not limit deliveries: the runtime counted
+    /// them (a message that crashes its consumer every time).
+    DeliveryLimit,
     /// The body is larger than `failure.max_body_size` (checked by the
     /// consumer, which its header value names).
     BodySize,
@@ -76,8 +80,9 @@ pub enum Stage {
 impl Stage {
     /// Every runtime stage (all but [`Handler`](Self::Handler)), for docs
     /// and tests.
-    pub const RUNTIME: [Stage; 19] = [
+    pub const RUNTIME: [Stage; 20] = [
         Stage::Decode,
+        Stage::DeliveryLimit,
         Stage::BodySize,
         Stage::Deserialize,
         Stage::NoHandler,
@@ -103,6 +108,7 @@ impl fmt::Display for Stage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Stage::Decode => "decode",
+            Stage::DeliveryLimit => "delivery limit",
             // Header values are read by operators' tools: kept as written.
             Stage::BodySize => "consumer",
             Stage::Deserialize => "deserialize",

@@ -1,6 +1,6 @@
-//! Retention: deleting inbox rows, and dead outbox rows, older than
-//! `retention.days`, in bounded batches, one instance per database at a
-//! time (ADR-005: one cleanup for both tables).
+//! Retention: deleting inbox rows, dead outbox rows and redelivery counts
+//! older than `retention.days`, in bounded batches, one instance per
+//! database at a time (ADR-005: one cleanup for every table).
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +25,11 @@ const SWEPT: &[Swept] = &[
     Swept {
         table: "outbox_messages",
         dated_by: "dead_at",
+    },
+    // Redeliveries counted on queues whose broker does not count them.
+    Swept {
+        table: "inbox_deliveries",
+        dated_by: "last_delivered_at",
     },
 ];
 

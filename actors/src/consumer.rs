@@ -173,6 +173,8 @@ impl ConsumerActor {
             concurrent_batches: queue.concurrent_batches,
             window: Arc::default(),
             dialect: Dialect::of(settings, queue, link.handled.clone()),
+            counts_redeliveries: !link.broker_limits_deliveries,
+            delivery_limit: queue.delivery_limit,
         };
         let size = usize::from(queue.batch_size);
         Self {
@@ -308,7 +310,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
-            Ok(pending) if pending.goes_alone() => {
+            Ok(pending) if pending.goes_alone() || self.settler.must_count(&pending) => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
                 ctx.spawn(
                     work.into_actor(self)
@@ -451,6 +453,7 @@ impl ConsumerActor {
             let settler = Settler {
                 forwarder: link.forwarder,
                 window: Arc::default(),
+                counts_redeliveries: !link.broker_limits_deliveries,
                 ..(*actor.settler).clone()
             };
             actor.settler = Arc::new(settler);

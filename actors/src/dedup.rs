@@ -14,6 +14,10 @@
 //! to that savepoint and runs each message's handlers again on their own,
 //! each after a savepoint of its own: a failure rolls back that message only.
 //!
+//! Receives [`CountRedelivery`] (a consumer whose broker does not limit a
+//! message's deliveries): counts one, committed at once, and replies with
+//! the count.
+//!
 //! A unit of work that takes longer than `database.transaction_timeout` is
 //! dropped (its connection closed) and its messages are reported as held
 //! by an outage; a failed handler whose rollback finds the connection gone
@@ -59,6 +63,18 @@ pub struct DeliverBatch {
     /// How many of this consumer's batches may run their handlers at once
     /// (`queues[].concurrent_batches`).
     pub concurrent_batches: u16,
+}
+
+/// Count one more delivery of a message the broker marked redelivered, on
+/// a queue whose broker does not limit deliveries; replies with the
+/// deliveries so far, the first one included.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<u32, Abandoned>")]
+pub(crate) struct CountRedelivery {
+    /// The consumer id: the first half of the key.
+    pub(crate) consumer: Arc<str>,
+    /// The message.
+    pub(crate) message_id: inbox::uuid::Uuid,
 }
 
 /// The handler actor of one event type, as the dedup actor addresses it.
@@ -182,6 +198,22 @@ impl actix::Handler<Deliver> for DedupActor {
             }
             .instrument(span),
         )
+    }
+}
+
+impl actix::Handler<CountRedelivery> for DedupActor {
+    type Result = ResponseFuture<Result<u32, Abandoned>>;
+
+    fn handle(&mut self, msg: CountRedelivery, _ctx: &mut Context<Self>) -> Self::Result {
+        let pool = self.pool.clone();
+        let timeout = self.transaction_timeout;
+        Box::pin(async move {
+            let counting =
+                inbox::internal::deliveries::count_redelivery(&pool, &msg.consumer, msg.message_id);
+            within_timeout(timeout, counting)
+                .await?
+                .map_err(|e| Abandoned::database(Stage::DeliveryLimit, &e))
+        })
     }
 }
 

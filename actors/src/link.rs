@@ -25,6 +25,9 @@ pub(crate) struct Link {
     /// The event types handlers are registered for, whose exchanges
     /// MassTransit's wire binds to the queue's.
     pub(crate) handled: HandledTypes,
+    /// Whether the broker sets aside a message redelivered past the
+    /// queue's delivery limit; if not, the runtime does.
+    pub(crate) broker_limits_deliveries: bool,
 }
 
 impl Link {
@@ -36,10 +39,11 @@ impl Link {
         handled: HandledTypes,
     ) -> inbox::Result<Self> {
         let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
-        let channel = connection.create_channel().await?;
         let types = handled.names();
         let wire = settings.message_bus.wire;
-        amqp::declare_wire_topology(&channel, queue, &settings.failure, wire, &types).await?;
+        let declared =
+            amqp::declare_wire_topology(&connection, queue, &settings.failure, wire, &types).await?;
+        let channel = connection.create_channel().await?;
         channel
             .basic_qos(queue.prefetch, BasicQosOptions { global: false })
             .await?;
@@ -60,6 +64,7 @@ impl Link {
             stream,
             forwarder,
             handled,
+            broker_limits_deliveries: declared.broker_limits_deliveries,
         })
     }
 

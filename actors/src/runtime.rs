@@ -410,13 +410,15 @@ impl Runtime {
             let publisher =
                 inbox::internal::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
             publisher.declare_exchange().await?;
-            let channel = publisher.open_channel().await?;
+            let connection = publisher.connection().await;
             let types = self.handled.names();
             for queue in &self.settings.queues {
                 let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
-                inbox::internal::amqp::declare_wire_topology(&channel, queue, failure, wire, &types).await?;
+                let declared =
+                    inbox::internal::amqp::declare_wire_topology(&connection, queue, failure, wire, &types)
+                        .await?;
+                say_what_guards(queue, wire, &declared);
             }
-            let _ = channel.close(200, "declared".into()).await;
             // The outbox dispatches over a connection of its own.
             let dispatching = match self.settings.is_outbox_enabled() {
                 true => Some(inbox::internal::AmqpPublisher::connect(&self.settings, "inbox outbox").await?),
@@ -630,6 +632,35 @@ impl Drop for Runtime {
             "the runtime was dropped without `shutdown`: stopping it in the background (await `shutdown` or `run_until` to wait for the messages in flight)"
         );
         actix_rt::spawn(self.stopping());
+    }
+}
+
+/// Says, once at start, what sets aside a message that crashes the
+/// consumer at every delivery on `queue`, when the broker does not.
+fn say_what_guards(
+    queue: &inbox::QueueSettings,
+    wire: inbox::Wire,
+    declared: &inbox::internal::amqp::Declared,
+) {
+    if declared.broker_limits_deliveries {
+        return;
+    }
+    let error_queue = wire.error_queue(&queue.name);
+    let instead = format!(
+        "the runtime counts the deliveries the broker marks redelivered and moves a message to {error_queue} \
+         on its delivery number {} (queues[].delivery_limit) without running its handlers",
+        queue.delivery_limit
+    );
+    match declared.adopted {
+        Some(adopted) => tracing::warn!(
+            queue = %queue.name,
+            "the queue exists with another client's arguments and is used as it is: {}; {instead}",
+            adopted.describe()
+        ),
+        None => tracing::info!(
+            queue = %queue.name,
+            "a classic queue: the broker does not limit a message's deliveries; {instead}"
+        ),
     }
 }
 

@@ -27,7 +27,7 @@ use tracing::Instrument;
 
 use crate::acks::{AckWindow, Ticket};
 use crate::availability::DatabaseGate;
-use crate::dedup::{DedupActor, Deliver, DeliverBatch};
+use crate::dedup::{CountRedelivery, DedupActor, Deliver, DeliverBatch};
 use crate::handler::HandledTypes;
 use crate::metrics::QueueMetrics;
 use crate::stats::{Counter, Stats};
@@ -55,6 +55,12 @@ pub(crate) struct Settler {
     pub(crate) window: Arc<AckWindow>,
     /// How the queue's messages look on the wire.
     pub(crate) dialect: Dialect,
+    /// Whether the runtime counts a message's redeliveries itself, the
+    /// broker not limiting them (a classic queue, or one adopted as it is),
+    /// and sets one aside on its `queues[].delivery_limit`th delivery.
+    pub(crate) counts_redeliveries: bool,
+    /// `queues[].delivery_limit`.
+    pub(crate) delivery_limit: u32,
 }
 
 /// How a queue's messages look on the wire (`message_bus.wire`): how a
@@ -260,8 +266,48 @@ impl Settler {
 
     /// [`settle`](Self::settle) for a delivery already prepared.
     pub(crate) async fn settle_prepared(self: Arc<Self>, mut pending: Pending) {
-        let known = pending.known.take();
+        let known = match pending.known.take() {
+            Some(known) => Some(known),
+            None if self.must_count(&pending) => self.past_delivery_limit(&pending.envelope).await,
+            None => None,
+        };
         self.process(pending, known).await
+    }
+
+    /// Whether `pending` is a redelivery this queue counts itself: it then
+    /// settles alone, counted before its handlers run.
+    pub(crate) fn must_count(&self, pending: &Pending) -> bool {
+        self.counts_redeliveries && pending.delivery.redelivered
+    }
+
+    /// Counts one more delivery of `envelope` and, once it reaches
+    /// `queues[].delivery_limit`, the outcome that sets it aside without
+    /// running its handlers. A count that fails (the database away) lets
+    /// the delivery go on: its transaction finds the outage too.
+    async fn past_delivery_limit(&self, envelope: &Envelope) -> Option<Outcome> {
+        let count = CountRedelivery {
+            consumer: Arc::clone(&self.consumer),
+            message_id: envelope.message_id,
+        };
+        let deliveries = match self.dedup.send(count).await {
+            Ok(Ok(deliveries)) => deliveries,
+            Ok(Err(abandoned)) => {
+                tracing::debug!(reason = %abandoned.reason, "cannot count the redelivery");
+                return None;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot count the redelivery");
+                return None;
+            }
+        };
+        (deliveries >= self.delivery_limit).then(|| Outcome::Rejected {
+            stage: Stage::DeliveryLimit,
+            reason: format!(
+                "delivered {deliveries} times without an outcome (queues[].delivery_limit is {}): its \
+                 consumer likely crashes on it; set aside without running its handlers",
+                self.delivery_limit
+            ),
+        })
     }
 
     /// Runs a batch through the inbox in one transaction and acks the

@@ -29,7 +29,9 @@ mod topology;
 
 pub use publisher::AmqpPublisher;
 pub use replay::{ReplayReport, SetAside, replay, replay_on};
-pub use topology::{bind_to_fanout, declare_queue, declare_topology, declare_wire_topology};
+pub use topology::{
+    Adopted, Declared, bind_to_fanout, declare_queue, declare_topology, declare_wire_topology,
+};
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;

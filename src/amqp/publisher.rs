@@ -489,11 +489,10 @@ impl AmqpPublisher {
         }
     }
 
-    /// A new channel on this publisher's connection, for declaring the
-    /// topology and the like; close it when done.
-    pub async fn open_channel(&self) -> Result<Channel> {
-        let link = self.link.lock().await;
-        Ok(link.connection.create_channel().await?)
+    /// This publisher's connection as it is now, for declaring the
+    /// topology on channels of one's own.
+    pub async fn connection(&self) -> Arc<Connection> {
+        Arc::clone(&self.link.lock().await.connection)
     }
 
     /// Closes the channel, and the connection if this publisher owns it.

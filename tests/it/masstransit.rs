@@ -458,9 +458,8 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     // fanout exchange.
     let forward = env.another_queue("recorded");
     let connection = amqp().await;
-    let channel = connection.create_channel().await.unwrap();
     inbox::internal::amqp::declare_wire_topology(
-        &channel,
+        &connection,
         &inbox::QueueSettings::new(&forward),
         &Default::default(),
         Wire::Masstransit,
@@ -761,4 +760,221 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Declares receive endpoint `queue` exactly as MassTransit 8.5 does with
+/// its defaults (RabbitMqReceiveEndpointBuilder.cs, RabbitMqErrorSettings.cs):
+/// a classic durable queue with no arguments behind a fanout exchange of
+/// its name, each consumed type's fanout exchange bound to that one, and
+/// `Q_error` behind its own exchange, as a first fault leaves it. No
+/// `Q_skipped`: MassTransit declares it at the first message it skips.
+async fn declare_as_masstransit(queue: &str, types: &[&str]) {
+    use inbox::internal::lapin::ExchangeKind;
+    use inbox::internal::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+    use inbox::internal::lapin::types::FieldTable;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let fanout = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    let error = Wire::Masstransit.error_queue(queue);
+    for name in [queue, error.as_str()] {
+        channel
+            .queue_declare(name.into(), durable, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .exchange_declare(name.into(), ExchangeKind::Fanout, fanout, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                name.into(),
+                name.into(),
+                "".into(),
+                Default::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    for message_type in types {
+        channel
+            .exchange_declare(
+                (*message_type).into(),
+                ExchangeKind::Fanout,
+                fanout,
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .exchange_bind(
+                queue.into(),
+                (*message_type).into(),
+                "".into(),
+                Default::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    connection.close(200, "declared".into()).await.unwrap();
+}
+
+/// Whether `queue` is still as MassTransit declared it: classic, with no
+/// arguments (declaring it so again is no change).
+async fn still_without_arguments(queue: &str) -> bool {
+    use inbox::internal::lapin::options::QueueDeclareOptions;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let same = channel
+        .queue_declare(queue.into(), durable, Default::default())
+        .await
+        .is_ok();
+    let _ = connection.close(200, "looked".into()).await;
+    same
+}
+
+#[actix_rt::test]
+async fn an_endpoint_masstransit_declared_is_taken_over_as_it_is_and_its_waiting_messages_processed_once() {
+    let env = TestEnv::new("mt_take_over").await;
+    declare_as_masstransit(&env.queue, &[]).await;
+    // Waiting before the runtime starts: seven (the keys the handler takes),
+    // and one of them twice.
+    let mut ids = Vec::new();
+    for key in 0..7 {
+        let id = Uuid::now_v7();
+        let body = envelope(id, Uuid::now_v7(), Counted::TYPE, &format!(r#"{{"key": {key}}}"#));
+        publish_as_masstransit(&env.queue, id, &body).await;
+        ids.push((id, body));
+    }
+    publish_as_masstransit(&env.queue, ids[0].0, &ids[0].1).await;
+    let log = crate::support::Captured::default();
+    let capturing = log.install();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .expect("the runtime starts on MassTransit's queues");
+    wait_until("the waiting messages are processed", || async {
+        let s = runtime.stats();
+        s.completed == 7 && s.duplicates == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    drop(capturing);
+
+    for key in 0..7 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    let text = log.text();
+    assert!(
+        text.contains("exists with another client's arguments")
+            && text.contains("classic queue without arguments"),
+        "the start says what it took over and what guards it: {text}"
+    );
+    for queue in [
+        env.queue.clone(),
+        Wire::Masstransit.error_queue(&env.queue),
+        Wire::Masstransit.skipped_queue(&env.queue),
+    ] {
+        assert!(
+            still_without_arguments(&queue).await,
+            "{queue} is as MassTransit declares it"
+        );
+    }
+}
+
+#[actix_rt::test]
+async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_message_aside() {
+    const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
+    const POISON: i64 = 4_660_001;
+    let env = TestEnv::new("mt_take_over_example").await;
+    declare_as_masstransit(&env.queue, &[CHECKED_IN]).await;
+    let checkin = |attendee: i64| {
+        let id = Uuid::now_v7();
+        let body = envelope(
+            id,
+            Uuid::now_v7(),
+            CHECKED_IN,
+            &format!(r#"{{"attendeeId": {attendee}, "sessionId": 1}}"#),
+        );
+        (id, body)
+    };
+    // Waiting before the service first starts (sent to the endpoint's
+    // exchange, not the type's, which other tests' services bind too).
+    for attendee in 4_660_010..4_660_015 {
+        let (id, body) = checkin(attendee);
+        publish_as_masstransit(&env.queue, id, &body).await;
+    }
+    let abort = POISON.to_string();
+    let args = ["--wire", "masstransit", "--abort-on-attendee", &abort];
+    let mut service = start_service(&env.database, &env.queue, &args);
+    let (started, log) = consumes(&mut service);
+    assert!(
+        started,
+        "the service did not start on MassTransit's queues:\n{log}"
+    );
+    wait_until("the waiting check-ins are processed", || async {
+        env.scalar("SELECT count(*) FROM attendee_checkins WHERE attendee_id >= 4660010")
+            .await
+            == 5
+    })
+    .await;
+    let _ = service.kill();
+    let _ = service.wait();
+
+    // A message that kills the service at every delivery, on a classic
+    // queue the broker never limits: set aside after the delivery limit.
+    let (poison, body) = checkin(POISON);
+    publish_as_masstransit(&env.queue, poison, &body).await;
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    let limit = inbox::QueueSettings::new("q").delivery_limit;
+    let mut starts = 0;
+    while env.ready(&error_queue).await == 0 {
+        starts += 1;
+        assert!(starts <= limit, "still looping after {starts} starts");
+        let mut service = start_service(&env.database, &env.queue, &args);
+        // Either it aborts on the message, or it sets it aside and goes on.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if service.try_wait().unwrap().is_some() || env.ready(&error_queue).await > 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the service neither aborted nor moved it"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let _ = service.kill();
+        let _ = service.wait();
+    }
+    assert_eq!(starts, limit, "set aside at its delivery number {limit}");
+    let copy = env.take(&error_queue).await.expect("the poison message");
+    assert_eq!(
+        copy.properties.message_id().as_ref().map(|id| id.to_string()),
+        Some(poison.to_string())
+    );
+    assert_eq!(
+        header(&copy, "x-inbox-handler").as_deref(),
+        Some("delivery limit")
+    );
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM attendee_checkins WHERE attendee_id >= 4660010")
+            .await,
+        5,
+        "the others once each"
+    );
+    assert!(still_without_arguments(&env.queue).await);
 }
