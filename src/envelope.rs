@@ -154,23 +154,27 @@ impl Envelope {
     /// Decodes a delivery as MassTransit 8 writes it (see
     /// [`crate::masstransit::decode`]), as received by `consumer`. Its type
     /// is the first of its message types that `handled` accepts (the
-    /// types a handler is registered for), else the first: then no handler
-    /// takes it, and it is skipped. The body becomes the envelope's
-    /// `message`.
+    /// types a handler is registered for), else the first (or none): then
+    /// no handler takes it, and it is skipped. The body becomes the
+    /// envelope's `message`. `raw_json`: `queues[].raw_json`.
     pub fn decode_masstransit(
         properties: &BasicProperties,
         body: &[u8],
+        raw_json: bool,
         redelivered: bool,
         consumer: &str,
         handled: impl Fn(&str) -> bool,
     ) -> Result<Self, DecodeError> {
-        let decoded = crate::masstransit::decode(properties, body)?;
+        let decoded = crate::masstransit::decode(properties, body, raw_json)?;
+        // No type at all: none that a handler takes, so skipped, as
+        // MassTransit skips it.
         let event_type = decoded
             .message_types
             .iter()
             .find(|name| handled(name))
-            .unwrap_or(&decoded.message_types[0])
-            .clone();
+            .or(decoded.message_types.first())
+            .cloned()
+            .unwrap_or_default();
         let headers = properties.headers().clone().unwrap_or_default();
         let trace = TraceContext::from_headers(&headers);
         // The body as it came stays where it was: a copy set aside must be

@@ -187,15 +187,9 @@ pub enum WireError {
         /// The envelope's.
         envelope: String,
     },
-    /// No message type, or none in the `urn:message:` form.
-    #[error("no messageType in the urn:message: form")]
-    NoMessageType,
     /// The envelope has no `message`.
     #[error("the envelope has no message")]
     NoMessage,
-    /// A content type MassTransit does not write.
-    #[error("content_type `{0}` is neither {ENVELOPE_CONTENT_TYPE} nor {RAW_JSON_CONTENT_TYPE}")]
-    UnknownContentType(String),
 }
 
 /// `urn:message:{name}` for a type named `Namespace:Type`.
@@ -208,24 +202,62 @@ pub fn type_of_urn(urn: &str) -> Option<&str> {
     urn.strip_prefix(URN_PREFIX).filter(|name| !name.is_empty())
 }
 
-/// Decodes a delivery as MassTransit 8.5 writes it: the JSON envelope
-/// (`application/vnd.masstransit+json`, and, as MassTransit does, a
-/// delivery with no content type), or raw JSON (`application/json`, its
-/// metadata in the `MessageId` and `MT-MessageType` headers, the AMQP
-/// `message_id` standing in for a missing `MessageId`).
-pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+/// Decodes a delivery as MassTransit 8.5 reads it: raw JSON when the
+/// endpoint reads raw JSON (`raw_json`, MassTransit's
+/// `UseRawJsonDeserializer()`) and the content type is `application/json`,
+/// its metadata in the `MessageId` and `MT-MessageType` headers, the AMQP
+/// `message_id` standing in for a missing `MessageId`; otherwise the JSON
+/// envelope, whatever the content type says or if it says nothing:
+/// MassTransit falls back to its default deserializer, the envelope's, for
+/// a content type it has no deserializer for
+/// (MT/Configuration/Configuration/SerializationConfiguration.cs,
+/// `AddDeserializer(factory, true)`).
+pub fn decode(properties: &BasicProperties, body: &[u8], raw_json: bool) -> Result<Decoded, WireError> {
     let content_type = properties.content_type().as_ref().map(|c| c.as_str());
     match content_type {
-        None | Some(ENVELOPE_CONTENT_TYPE) => decode_envelope(properties, body),
-        Some(RAW_JSON_CONTENT_TYPE) => decode_raw(properties, body),
-        Some(other) => Err(WireError::UnknownContentType(other.to_owned())),
+        Some(RAW_JSON_CONTENT_TYPE) if raw_json => decode_raw(properties, body),
+        _ => decode_envelope(properties, body),
+    }
+}
+
+/// An envelope's fields, found by name in any case: MassTransit reads with
+/// `PropertyNameCaseInsensitive = true`
+/// (MT/Serialization/SystemTextJsonMessageSerializer.cs), so an envelope
+/// written with the PascalCase naming policy, or by Newtonsoft, reads the
+/// same.
+struct EnvelopeFields<'a>(std::collections::BTreeMap<std::borrow::Cow<'a, str>, &'a RawValue>);
+
+impl<'a> EnvelopeFields<'a> {
+    fn read(body: &'a [u8]) -> Result<Self, WireError> {
+        serde_json::from_slice(body)
+            .map(Self)
+            .map_err(|e| WireError::NotAnEnvelope(e.to_string()))
+    }
+
+    /// Field `name`'s value, `None` when absent or `null`.
+    fn get(&self, name: &str) -> Option<&'a RawValue> {
+        let value = match self.0.get(name) {
+            Some(value) => *value,
+            None => *self.0.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
+        };
+        (value.get() != "null").then_some(value)
+    }
+
+    /// Field `name` as `T`, `None` when absent or `null`.
+    fn parse<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<Option<T>, WireError> {
+        self.get(name)
+            .map(|value| serde_json::from_str(value.get()))
+            .transpose()
+            .map_err(|e| WireError::NotAnEnvelope(format!("`{name}`: {e}")))
     }
 }
 
 fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
-    let envelope: JsonEnvelope =
-        serde_json::from_slice(body).map_err(|e| WireError::NotAnEnvelope(e.to_string()))?;
-    let raw_id = envelope.message_id.unwrap_or_default();
+    let envelope = EnvelopeFields::read(body)?;
+    let raw_id: String = envelope
+        .parse("messageId")
+        .map_err(|e| WireError::InvalidMessageId(e.to_string()))?
+        .unwrap_or_default();
     let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
     if let Some(property) = properties.message_id().as_ref()
         && Uuid::try_parse(property.as_str()).ok() != Some(message_id)
@@ -235,19 +267,78 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded,
             envelope: raw_id,
         });
     }
-    let message_types = type_names(envelope.message_type.iter().map(String::as_str))?;
-    let message = envelope.message.ok_or(WireError::NoMessage)?;
+    // `null` or absent: no type, which MassTransit skips (no consumer
+    // takes it) rather than fails.
+    let urns: Vec<String> = envelope.parse("messageType")?.unwrap_or_default();
+    let message_types = type_names(urns.iter().map(String::as_str));
+    let message = envelope.get("message").ok_or(WireError::NoMessage)?;
     Ok(Decoded {
         message_id,
         message_types,
-        message: message.get().as_bytes().to_vec(),
+        message: camel_case_keys(message.get().as_bytes()),
         context: Context {
-            correlation_id: envelope.correlation_id,
-            conversation_id: envelope.conversation_id,
-            initiator_id: envelope.initiator_id,
-            source_address: envelope.source_address,
+            correlation_id: envelope.parse("correlationId")?,
+            conversation_id: envelope.parse("conversationId")?,
+            initiator_id: envelope.parse("initiatorId")?,
+            source_address: envelope.parse("sourceAddress")?,
         },
     })
+}
+
+/// `message` with every object key's first letter in lower case, at any
+/// depth: what a contract type whose fields are camelCase (as MassTransit
+/// writes them) reads. MassTransit reads a message's properties in any case
+/// (`PropertyNameCaseInsensitive`), so a producer on the PascalCase naming
+/// policy reaches the same consumer; serde matches names exactly, so the
+/// names are brought to camelCase instead. A message with no key in upper
+/// case, the common one, is copied as it is, not parsed here.
+fn camel_case_keys(message: &[u8]) -> Vec<u8> {
+    // A key starts right after a quote; so does a string value, so this
+    // finds every message with a key in upper case, and some others.
+    let maybe_upper = message
+        .windows(2)
+        .any(|pair| pair[0] == b'"' && pair[1].is_ascii_uppercase());
+    if !maybe_upper {
+        return message.to_vec();
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(message) else {
+        // Not JSON: the handler's decoding says so.
+        return message.to_vec();
+    };
+    if !lower_first_letters(&mut value) {
+        return message.to_vec();
+    }
+    serde_json::to_vec(&value).unwrap_or_else(|_| message.to_vec())
+}
+
+/// Lowers the first letter of every object key in `value`; whether any
+/// changed.
+fn lower_first_letters(value: &mut serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut changed = false;
+            let entries = std::mem::take(map);
+            for (key, mut inner) in entries {
+                changed |= lower_first_letters(&mut inner);
+                let key = match key.chars().next() {
+                    Some(first) if first.is_ascii_uppercase() => {
+                        changed = true;
+                        let mut lowered = String::with_capacity(key.len());
+                        lowered.push(first.to_ascii_lowercase());
+                        lowered.push_str(&key[1..]);
+                        lowered
+                    }
+                    _ => key,
+                };
+                map.insert(key, inner);
+            }
+            changed
+        }
+        serde_json::Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| lower_first_letters(item) | changed),
+        _ => false,
+    }
 }
 
 fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
@@ -260,8 +351,8 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, Wire
     let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
     Ok(Decoded {
         message_id,
-        message_types: type_names(types.split(';'))?,
-        message: body.to_vec(),
+        message_types: type_names(types.split(';')),
+        message: camel_case_keys(body),
         context: Context {
             correlation_id: header(headers::CORRELATION_ID).or_else(|| {
                 properties
@@ -276,16 +367,12 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, Wire
     })
 }
 
-/// The type names of `urns`, in order; at least one.
-fn type_names<'a>(urns: impl Iterator<Item = &'a str>) -> Result<Vec<String>, WireError> {
-    let names: Vec<String> = urns
-        .filter_map(|urn| type_of_urn(urn.trim()))
+/// The type names of `urns`, in order; none when no URN is in the
+/// `urn:message:` form.
+fn type_names<'a>(urns: impl Iterator<Item = &'a str>) -> Vec<String> {
+    urns.filter_map(|urn| type_of_urn(urn.trim()))
         .map(str::to_owned)
-        .collect();
-    if names.is_empty() {
-        return Err(WireError::NoMessageType);
-    }
-    Ok(names)
+        .collect()
 }
 
 /// A header's text, as MassTransit writes ids and addresses.
@@ -650,6 +737,7 @@ mod tests {
         let decoded = decode(
             &envelope_properties(Some("00ab0000-6ab3-f8b4-f78c-08db7c8365ff")),
             CAPTURED.as_bytes(),
+            false,
         )
         .unwrap();
         assert_eq!(
@@ -671,34 +759,88 @@ mod tests {
                 .unwrap()
                 .starts_with("rabbitmq://localhost/")
         );
-        // No content type: MassTransit's default deserializer, the envelope.
-        assert!(decode(&BasicProperties::default(), CAPTURED.as_bytes()).is_ok());
+        // No content type, or one MassTransit has no deserializer for, or
+        // its raw one on an endpoint that does not read raw: MassTransit's
+        // default deserializer, the envelope.
+        for content_type in [None, Some("application/xml"), Some(RAW_JSON_CONTENT_TYPE)] {
+            let mut properties = BasicProperties::default();
+            if let Some(content_type) = content_type {
+                properties = properties.with_content_type(content_type.into());
+            }
+            assert!(
+                decode(&properties, CAPTURED.as_bytes(), false).is_ok(),
+                "{content_type:?}"
+            );
+        }
     }
 
     #[test]
     fn an_envelope_whose_id_differs_from_the_amqp_message_id_is_malformed() {
         let other = Uuid::now_v7().to_string();
-        let error = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes()).unwrap_err();
+        let error = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes(), false).unwrap_err();
         assert!(matches!(error, WireError::MessageIdMismatch { .. }), "{error}");
-        let no_type = CAPTURED.replace("urn:message:TestSerialization:TestMessage", "TestMessage");
-        assert_eq!(
-            decode(&envelope_properties(None), no_type.as_bytes()),
-            Err(WireError::NoMessageType)
-        );
         let bad_id = CAPTURED.replace("00ab0000-6ab3-f8b4-f78c-08db7c8365ff", "not-a-guid");
         assert!(matches!(
-            decode(&envelope_properties(None), bad_id.as_bytes()),
+            decode(&envelope_properties(None), bad_id.as_bytes(), false),
             Err(WireError::InvalidMessageId(_))
         ));
         assert!(matches!(
-            decode(&envelope_properties(None), b"{\"messageId\": "),
+            decode(&envelope_properties(None), b"{\"messageId\": ", false),
             Err(WireError::NotAnEnvelope(_))
         ));
-        let xml = BasicProperties::default().with_content_type("application/xml".into());
-        assert!(matches!(
-            decode(&xml, CAPTURED.as_bytes()),
-            Err(WireError::UnknownContentType(_))
-        ));
+        let no_message = CAPTURED.replace("\"message\":", "\"other\":");
+        assert_eq!(
+            decode(&envelope_properties(None), no_message.as_bytes(), false),
+            Err(WireError::NoMessage)
+        );
+    }
+
+    #[test]
+    fn an_envelope_without_a_type_has_none_and_is_skipped_not_failed() {
+        // MassTransit reads `messageType: null` (or one in no URN form) as
+        // no type; no consumer takes it, and it goes to Q_skipped.
+        for no_type in [
+            CAPTURED.replace("\"urn:message:TestSerialization:TestMessage\"", "\"TestMessage\""),
+            CAPTURED.replace(
+                "[\n    \"urn:message:TestSerialization:TestMessage\"\n  ]",
+                "null",
+            ),
+        ] {
+            let decoded = decode(&envelope_properties(None), no_type.as_bytes(), false).unwrap();
+            assert!(decoded.message_types.is_empty(), "{no_type}");
+        }
+    }
+
+    #[test]
+    fn envelope_names_in_any_case_and_null_headers_read_as_masstransit_reads_them() {
+        let id = Uuid::now_v7();
+        // The PascalCase naming policy, or Newtonsoft's defaults: PascalCase
+        // names, defaults left out, `Headers: null`.
+        let pascal = format!(
+            r#"{{"MessageId": "{id}", "ConversationId": "{id}", "MessageType": ["urn:message:Conference.Contracts:AttendeeCheckedIn"],
+               "Message": {{"AttendeeId": 5, "Nested": {{"Inner": [{{"Deep": 1}}]}}}}, "Headers": null, "Host": null}}"#
+        );
+        let decoded = decode(&envelope_properties(None), pascal.as_bytes(), false).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(decoded.message_types, ["Conference.Contracts:AttendeeCheckedIn"]);
+        assert_eq!(decoded.context.conversation_id, Some(id.to_string()));
+        let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(
+            message,
+            serde_json::json!({"attendeeId": 5, "nested": {"inner": [{"deep": 1}]}}),
+            "keys in camelCase at any depth, values as they were"
+        );
+    }
+
+    #[test]
+    fn a_camel_case_message_is_copied_as_it_is_and_values_keep_their_case() {
+        let camel = br#"{"attendeeId": 5, "name": "Ada"}"#;
+        assert_eq!(camel_case_keys(camel), camel.to_vec());
+        // A value in upper case makes it look; nothing changes.
+        let value = br#"{"name": "Ada"}"#;
+        assert_eq!(camel_case_keys(value), value.to_vec());
+        assert_eq!(camel_case_keys(b"\"Ada\""), b"\"Ada\"".to_vec());
+        assert_eq!(camel_case_keys(b"not json \"A"), b"not json \"A".to_vec());
     }
 
     #[test]
@@ -720,7 +862,7 @@ mod tests {
             .with_content_type(RAW_JSON_CONTENT_TYPE.into())
             .with_headers(table);
         let body = br#"{"attendeeId": 1, "sessionId": 2}"#;
-        let decoded = decode(&properties, body).unwrap();
+        let decoded = decode(&properties, body, true).unwrap();
         assert_eq!(decoded.message_id, id);
         assert_eq!(
             decoded.message_types,
@@ -780,7 +922,7 @@ mod tests {
             json["messageType"],
             serde_json::json!(["urn:message:Conference.Contracts:CheckinRecorded"])
         );
-        let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded).unwrap();
+        let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded, false).unwrap();
         assert_eq!(decoded.message_id, id);
         assert_eq!(decoded.context.initiator_id, Some(initiator.to_string()));
         assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
@@ -860,7 +1002,7 @@ mod tests {
         })
         .unwrap();
         let properties = envelope_properties(Some(&fault_id.to_string()));
-        let decoded = decode(&properties, &encoded).unwrap();
+        let decoded = decode(&properties, &encoded, false).unwrap();
         assert_eq!(
             decoded.message_types,
             [

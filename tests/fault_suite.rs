@@ -744,7 +744,8 @@ fn forwarded_source(
             .ok()
             .map(|recorded| recorded.source_message_id),
         Wire::Masstransit => {
-            let decoded = inbox::internal::masstransit::decode(&delivery.properties, &delivery.data).ok()?;
+            let decoded =
+                inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).ok()?;
             let is_recorded = decoded.message_types.first().map(String::as_str)
                 == Some(<common::masstransit::CheckinRecorded as inbox::IntegrationEvent>::TYPE);
             let recorded: common::masstransit::CheckinRecorded =

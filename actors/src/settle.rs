@@ -76,6 +76,8 @@ pub(crate) struct Dialect {
     /// The queue's address as MassTransit writes it, for
     /// `MT-Fault-InputAddress`.
     input_address: String,
+    /// `queues[].raw_json`.
+    raw_json: bool,
 }
 
 impl Dialect {
@@ -102,6 +104,7 @@ impl Dialect {
             wire: settings.message_bus.wire,
             handled,
             input_address,
+            raw_json: queue.raw_json,
         }
     }
 
@@ -121,6 +124,7 @@ impl Dialect {
             Wire::Masstransit => Envelope::decode_masstransit(
                 &delivery.properties,
                 &delivery.data,
+                self.raw_json,
                 delivery.redelivered,
                 consumer,
                 |name| self.handled.contains(name),

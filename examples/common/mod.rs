@@ -93,9 +93,12 @@ impl CheckIn for AttendeeCheckedIn {
 pub(crate) mod masstransit {
     use serde::{Deserialize, Serialize};
 
-    /// `{"attendeeId": .., "sessionId": ..}`.
-    #[derive(Debug, Clone, Serialize, Deserialize)]
-    #[serde(rename_all = "camelCase")]
+    /// `{"attendeeId": .., "sessionId": ..}`, also as a producer on the
+    /// PascalCase naming policy writes it (the runtime reads names in any
+    /// case, as MassTransit does), and as Newtonsoft writes it, leaving out
+    /// default values (`#[serde(default)]`: a missing `sessionId` is 0).
+    #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
     pub(crate) struct AttendeeCheckedIn {
         pub(crate) attendee_id: i64,
         pub(crate) session_id: i64,

@@ -303,10 +303,21 @@ pub struct QueueSettings {
     /// one handed back again and again. RabbitMQ 4 gives every quorum queue
     /// a limit of 20 and drops the message past it unless the queue
     /// dead-letters: `Q` is declared with this limit and dead-lettering to
-    /// `Q.error`, so nothing is dropped. Classic queues count no deliveries:
-    /// there a crash loop goes on. Default 20.
+    /// `Q.error`, so nothing is dropped. On a classic queue, or one another
+    /// client declared (used as it is on MassTransit's wire), the broker
+    /// counts nothing: the runtime counts the deliveries it marks
+    /// redelivered and sets the message aside on this delivery itself.
+    /// Default 20.
     #[serde(default = "default_delivery_limit")]
     pub delivery_limit: u32,
+    /// `raw_json`: on MassTransit's wire, read a body whose content type is
+    /// `application/json` as raw JSON (the message alone, its id and type
+    /// in headers), as an endpoint with MassTransit's
+    /// `UseRawJsonDeserializer()` does. Off, MassTransit reads every
+    /// content type but its raw one's as its envelope, and so does the
+    /// runtime. Default `false`.
+    #[serde(default)]
+    pub raw_json: bool,
 }
 
 fn default_delivery_limit() -> u32 {
@@ -336,6 +347,7 @@ impl QueueSettings {
             batch_size: default_batch_size(),
             concurrent_batches: default_concurrent_batches(),
             delivery_limit: default_delivery_limit(),
+            raw_json: false,
         }
     }
 

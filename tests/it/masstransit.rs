@@ -258,7 +258,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
         Some(ENVELOPE_CONTENT_TYPE)
     );
     assert_eq!(sent.properties.kind(), &None, "MassTransit sets no `type`");
-    let decoded = inbox::internal::masstransit::decode(&sent.properties, &sent.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&sent.properties, &sent.data, false).unwrap();
     assert_eq!(decoded.message_types, [Announced::TYPE]);
     assert_eq!(decoded.message_id, message.id);
     assert!(decoded.context.conversation_id.is_some(), "a new conversation");
@@ -491,7 +491,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     assert_eq!(properties.kind(), &None, "MassTransit sets no AMQP type");
     assert_eq!(properties.delivery_mode(), &Some(2));
     // What a MassTransit consumer reads of it.
-    let decoded = inbox::internal::masstransit::decode(properties, &arrived.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(properties, &arrived.data, false).unwrap();
     assert_eq!(
         properties.message_id().as_ref().map(|i| i.as_str().to_owned()),
         Some(decoded.message_id.to_string())
@@ -569,7 +569,7 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
         .get(0);
     assert_eq!(checkins, 1, "once, the redelivery skipped");
     let arrived = env.take(&forward).await.expect("the follow-up");
-    let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
     assert_eq!(decoded.message_types, [RECORDED]);
     assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
@@ -723,7 +723,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     runtime.shutdown().await;
 
     let fault = env.take(&faults).await.expect("the fault");
-    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data).unwrap();
+    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
     assert_eq!(
         decoded.message_types,
         [
@@ -745,7 +745,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     // As MassTransit binds them, `Fault<T>`'s exchange feeds `Fault`'s.
     let mut faulted_ids = Vec::new();
     while let Some(fault) = env.take(&all_faults).await {
-        let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data).unwrap();
+        let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         faulted_ids.push(body["faultedMessageId"].as_str().unwrap_or_default().to_owned());
     }
@@ -917,6 +917,18 @@ async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_
         let (id, body) = checkin(attendee);
         publish_as_masstransit(&env.queue, id, &body).await;
     }
+    // From a producer on the PascalCase naming policy, and one on
+    // Newtonsoft, which leaves a default value (`sessionId: 0`) out.
+    let pascal = Uuid::now_v7();
+    let body = format!(
+        r#"{{"MessageId": "{pascal}", "MessageType": ["urn:message:{CHECKED_IN}"], "Message": {{"AttendeeId": 4660015, "SessionId": 1}}}}"#
+    );
+    publish_as_masstransit(&env.queue, pascal, &body).await;
+    let newtonsoft = Uuid::now_v7();
+    let body = format!(
+        r#"{{"messageId": "{newtonsoft}", "messageType": ["urn:message:{CHECKED_IN}"], "message": {{"attendeeId": 4660016}}}}"#
+    );
+    publish_as_masstransit(&env.queue, newtonsoft, &body).await;
     let abort = POISON.to_string();
     let args = ["--wire", "masstransit", "--abort-on-attendee", &abort];
     let mut service = start_service(&env.database, &env.queue, &args);
@@ -928,7 +940,7 @@ async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_
     wait_until("the waiting check-ins are processed", || async {
         env.scalar("SELECT count(*) FROM attendee_checkins WHERE attendee_id >= 4660010")
             .await
-            == 5
+            == 7
     })
     .await;
     let _ = service.kill();
@@ -973,8 +985,185 @@ async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_
     assert_eq!(
         env.scalar("SELECT count(*) FROM attendee_checkins WHERE attendee_id >= 4660010")
             .await,
-        5,
+        7,
         "the others once each"
     );
+    // The Newtonsoft form's left-out session read as 0.
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM session_attendance WHERE session_id = 0")
+            .await,
+        1
+    );
     assert!(still_without_arguments(&env.queue).await);
+}
+
+/// A contract as docs/masstransit.md recommends it: camelCase, and every
+/// field defaulted, since Newtonsoft leaves default values out.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+struct CheckedIn {
+    attendee_id: i64,
+    session_id: i64,
+}
+
+impl IntegrationEvent for CheckedIn {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:CheckedIn";
+}
+
+/// Counts `attendee_id * 100 + session_id`: both fields read.
+struct CountCheckIn;
+
+impl EventHandler<CheckedIn> for CountCheckIn {
+    async fn handle(&self, event: &CheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, "counts", event.attendee_id * 100 + event.session_id).await
+    }
+}
+
+#[actix_rt::test]
+async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_masstransit_sets_it() {
+    use inbox::internal::masstransit::{RAW_JSON_CONTENT_TYPE, headers as mt};
+    let mut env = TestEnv::new("mt_forms").await;
+    let raw_queue = env.another_queue("raw");
+    let mut settings = masstransit(&env);
+    let mut raw = inbox::QueueSettings::new(&raw_queue);
+    raw.raw_json = true;
+    settings.queues.push(raw);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountCheckIn)
+        .start()
+        .await
+        .unwrap();
+    let typed = format!("urn:message:{}", CheckedIn::TYPE);
+    let send = |queue: &str, content_type: Option<&str>, id: Uuid, body: String| {
+        let mut properties = BasicProperties::default()
+            .with_message_id(id.to_string().into())
+            .with_delivery_mode(2);
+        if let Some(content_type) = content_type {
+            properties = properties.with_content_type(content_type.into());
+        }
+        let queue = queue.to_owned();
+        async move { publish_to(&queue, "", properties, body.as_bytes()).await }
+    };
+    let camel = |message: &str| {
+        let id = Uuid::now_v7();
+        let body = format!(r#"{{"messageId": "{id}", "messageType": ["{typed}"], "message": {message}}}"#);
+        (id, body)
+    };
+    let pascal_id = Uuid::now_v7();
+    let pascal = format!(
+        r#"{{"MessageId": "{pascal_id}", "MessageType": ["{typed}"], "Message": {{"AttendeeId": 2, "SessionId": 2}}, "Headers": null}}"#
+    );
+    // Consumed, each as its own key: (form, content type, key, message).
+    type Form<'a> = (&'a str, Option<&'a str>, i64, (Uuid, String));
+    let forms: Vec<Form> = vec![
+        (
+            "camelCase envelope",
+            Some(ENVELOPE_CONTENT_TYPE),
+            101,
+            camel(r#"{"attendeeId": 1, "sessionId": 1}"#),
+        ),
+        (
+            "PascalCase envelope",
+            Some(ENVELOPE_CONTENT_TYPE),
+            202,
+            (pascal_id, pascal),
+        ),
+        (
+            "Newtonsoft, a default left out",
+            Some(ENVELOPE_CONTENT_TYPE),
+            300,
+            camel(r#"{"attendeeId": 3}"#),
+        ),
+        (
+            "an envelope as application/json",
+            Some(RAW_JSON_CONTENT_TYPE),
+            404,
+            camel(r#"{"attendeeId": 4, "sessionId": 4}"#),
+        ),
+        (
+            "an envelope with no content type",
+            None,
+            505,
+            camel(r#"{"attendeeId": 5, "sessionId": 5}"#),
+        ),
+    ];
+    for (_, content_type, _, (id, body)) in &forms {
+        send(&env.queue, *content_type, *id, body.clone()).await;
+    }
+    // Raw JSON where the endpoint reads raw: its type in a header.
+    let raw_id = Uuid::now_v7();
+    let mut table = inbox::internal::lapin::types::FieldTable::default();
+    table.insert(
+        mt::MESSAGE_TYPE.into(),
+        inbox::internal::lapin::types::AMQPValue::LongString(typed.as_str().into()),
+    );
+    let raw_properties = BasicProperties::default()
+        .with_message_id(raw_id.to_string().into())
+        .with_content_type(RAW_JSON_CONTENT_TYPE.into())
+        .with_headers(table);
+    publish_to(
+        "",
+        &raw_queue,
+        raw_properties,
+        br#"{"attendeeId": 6, "sessionId": 6}"#,
+    )
+    .await;
+    // Set aside where MassTransit sets them aside: no type and an unknown
+    // type to Q_skipped, no message to Q_error.
+    let no_type = Uuid::now_v7();
+    send(
+        &env.queue,
+        Some(ENVELOPE_CONTENT_TYPE),
+        no_type,
+        format!(r#"{{"messageId": "{no_type}", "messageType": null, "message": {{}}}}"#),
+    )
+    .await;
+    let unknown = Uuid::now_v7();
+    send(
+        &env.queue,
+        Some(ENVELOPE_CONTENT_TYPE),
+        unknown,
+        format!(
+            r#"{{"messageId": "{unknown}", "messageType": ["urn:message:Other:Type"], "message": {{}}}}"#
+        ),
+    )
+    .await;
+    let no_message = Uuid::now_v7();
+    send(
+        &env.queue,
+        Some(ENVELOPE_CONTENT_TYPE),
+        no_message,
+        format!(r#"{{"messageId": "{no_message}", "messageType": ["{typed}"]}}"#),
+    )
+    .await;
+
+    wait_until("every form is consumed or set aside", || async {
+        let s = runtime.stats();
+        s.completed == 6 && s.skipped == 2 && s.rejected == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    for (form, _, key, _) in &forms {
+        assert_eq!(env.count("counts", *key).await, 1, "{form}");
+    }
+    assert_eq!(env.count("counts", 606).await, 1, "raw JSON");
+    let skipped = Wire::Masstransit.skipped_queue(&env.queue);
+    let mut set_aside = Vec::new();
+    while let Some(copy) = env.take(&skipped).await {
+        assert_eq!(header(&copy, "MT-Reason").as_deref(), Some("dead-letter"));
+        set_aside.push(copy.properties.message_id().as_ref().map(|id| id.to_string()));
+    }
+    let error = env
+        .take(&Wire::Masstransit.error_queue(&env.queue))
+        .await
+        .expect("no message: in Q_error");
+    assert_eq!(header(&error, "MT-Reason").as_deref(), Some("fault"));
+    assert_eq!(
+        error.properties.message_id().as_ref().map(|id| id.to_string()),
+        Some(no_message.to_string())
+    );
+    set_aside.sort();
+    let mut expected = vec![Some(no_type.to_string()), Some(unknown.to_string())];
+    expected.sort();
+    assert_eq!(set_aside, expected);
 }
