@@ -168,11 +168,11 @@ impl Envelope {
         let decoded = crate::masstransit::decode(properties, body, raw_json)?;
         // No type at all: none that a handler takes, so skipped, as
         // MassTransit skips it.
-        let event_type = decoded
-            .message_types
+        let types = &decoded.context.message_types;
+        let event_type = types
             .iter()
             .find(|name| handled(name))
-            .or(decoded.message_types.first())
+            .or(types.first())
             .cloned()
             .unwrap_or_default();
         let headers = properties.headers().clone().unwrap_or_default();

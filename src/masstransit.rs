@@ -76,6 +76,18 @@ pub mod headers {
         REDELIVERY_COUNT,
         "MT-Fault-RedeliveryCount",
     ];
+    /// The host that moved a message to `Q_error` or `Q_skipped`
+    /// ([`stamp_host`](super::stamp_host)): what a replay removes too.
+    pub const HOST: [&str; 8] = [
+        "MT-Host-MachineName",
+        "MT-Host-ProcessName",
+        "MT-Host-ProcessId",
+        "MT-Host-Assembly",
+        "MT-Host-AssemblyVersion",
+        "MT-Host-MassTransitVersion",
+        "MT-Host-FrameworkVersion",
+        "MT-Host-OperatingSystemVersion",
+    ];
     /// Raw JSON: the message id.
     pub const MESSAGE_ID: &str = "MessageId";
     /// Raw JSON: the correlation id.
@@ -147,8 +159,6 @@ pub struct JsonEnvelope {
 pub struct Decoded {
     /// The message id (envelope `messageId`, or the raw `MessageId`).
     pub message_id: Uuid,
-    /// Its type names (`Namespace:Type`), most specific first.
-    pub message_types: Vec<String>,
     /// The message's JSON: the envelope's `message`, or the raw body.
     pub message: Vec<u8>,
     /// Where it comes from, as the envelope says.
@@ -159,6 +169,10 @@ pub struct Decoded {
 /// beside the id (untrusted text, as sent).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Context {
+    /// Its type names (`Namespace:Type`), most specific first: every type
+    /// the producer says it is (its class, base classes, interfaces). None
+    /// when it says none in the `urn:message:` form.
+    pub message_types: Vec<String>,
     /// Its correlation id, if any.
     pub correlation_id: Option<String>,
     /// Its conversation id, if any.
@@ -274,9 +288,9 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded,
     let message = envelope.get("message").ok_or(WireError::NoMessage)?;
     Ok(Decoded {
         message_id,
-        message_types,
         message: camel_case_keys(message.get().as_bytes()),
         context: Context {
+            message_types,
             correlation_id: envelope.parse("correlationId")?,
             conversation_id: envelope.parse("conversationId")?,
             initiator_id: envelope.parse("initiatorId")?,
@@ -351,9 +365,9 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, Wire
     let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
     Ok(Decoded {
         message_id,
-        message_types: type_names(types.split(';')),
         message: camel_case_keys(body),
         context: Context {
+            message_types: type_names(types.split(';')),
             correlation_id: header(headers::CORRELATION_ID).or_else(|| {
                 properties
                     .correlation_id()
@@ -472,6 +486,81 @@ pub fn stamp_dead_letter(headers: &mut FieldTable) {
     );
 }
 
+/// This process, as MassTransit describes the host that moved a message or
+/// published a fault (ABS/Metadata/BusHostInfo.cs, ABS/Contracts/HostInfo.cs):
+/// the machine, the process and what runs it. Read once.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HostInfo {
+    machine_name: String,
+    process_name: String,
+    process_id: u32,
+    assembly: String,
+    assembly_version: String,
+    framework_version: String,
+    mass_transit_version: String,
+    operating_system_version: String,
+}
+
+/// [`HostInfo`] of this process.
+pub fn host_info() -> &'static HostInfo {
+    static HOST: std::sync::OnceLock<HostInfo> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let process_name = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.file_stem().map(|name| name.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "unknown".into());
+        let machine_name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|name| name.trim().to_owned())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        HostInfo {
+            machine_name,
+            assembly: process_name.clone(),
+            process_name,
+            process_id: std::process::id(),
+            // The service's own version is not known to the library.
+            assembly_version: "Unknown".into(),
+            framework_version: "Rust".into(),
+            // Not MassTransit: what its tools show in that place.
+            mass_transit_version: concat!("inbox ", env!("CARGO_PKG_VERSION")).into(),
+            operating_system_version: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+        }
+    })
+}
+
+/// Stamps the `MT-Host-*` headers MassTransit's move transport writes on
+/// every copy it moves to `Q_error` or `Q_skipped`
+/// (RMQ/RabbitMqTransport/RabbitMqMoveTransport.cs, ABS/Contexts/SendContextExtensions.cs
+/// `SetHostHeaders`; names in ABS/MessageHeaders.cs): all text.
+pub fn stamp_host(headers: &mut FieldTable) {
+    let host = host_info();
+    let process_id = host.process_id.to_string();
+    let values = [
+        host.machine_name.as_str(),
+        host.process_name.as_str(),
+        process_id.as_str(),
+        host.assembly.as_str(),
+        host.assembly_version.as_str(),
+        host.mass_transit_version.as_str(),
+        host.framework_version.as_str(),
+        host.operating_system_version.as_str(),
+    ];
+    for (key, value) in headers::HOST.into_iter().zip(values) {
+        headers.insert(key.into(), AMQPValue::LongString(value.into()));
+    }
+}
+
+/// `id` if it is a GUID, else `None`: MassTransit parses every id of an
+/// envelope as a GUID when it reads it, and throws on one that is not
+/// (MT/Serialization/EnvelopeMessageContext.cs: "The Id was not a Guid").
+fn guid(id: Option<&str>) -> Option<String> {
+    id.and_then(|id| Uuid::try_parse(id).ok())
+        .map(|id| id.to_string())
+}
+
 /// Stamps a delayed redelivery's count, as MassTransit's delayed
 /// redelivery does (`MT-Redelivery-Count`, an integer).
 pub fn stamp_redelivery(headers: &mut FieldTable, count: u32) {
@@ -506,11 +595,16 @@ pub fn fault_exchange(t: &str) -> String {
 /// MT/Contexts/ConsumeContextEndpointExtensions.cs `GenerateFault`).
 #[derive(Debug, Clone)]
 pub struct FaultEvent<'a> {
-    /// The fault's own id (its `faultId`, and its envelope's `messageId`).
+    /// The fault's envelope's `messageId` (and AMQP `message_id`): a new
+    /// id of its own, as MassTransit gives every message it sends
+    /// (MT/Contexts/Context/MessageSendContext.cs).
+    pub message_id: Uuid,
+    /// The fault's own id, its `faultId`.
     pub fault_id: Uuid,
     /// The message that faulted.
     pub faulted_message_id: Uuid,
-    /// Its type name (`Namespace:Type`): the `T` of `Fault<T>`.
+    /// Its type name (`Namespace:Type`): the `T` of `Fault<T>`, the type it
+    /// was handled as.
     pub message_type: &'a str,
     /// Its JSON.
     pub message: &'a [u8],
@@ -534,8 +628,8 @@ struct FaultBody<'a> {
     faulted_message_id: String,
     timestamp: &'a str,
     exceptions: [ExceptionInfo<'a>; 1],
-    host: Option<serde_json::Value>,
-    fault_message_types: [String; 1],
+    host: &'static HostInfo,
+    fault_message_types: Vec<String>,
     message: Box<RawValue>,
 }
 
@@ -553,7 +647,11 @@ struct ExceptionInfo<'a> {
 /// The envelope of `fault`, to publish to [`fault_exchange`]: its
 /// `messageType` is `Fault<T>`'s URN then `Fault`'s; its `initiatorId` the
 /// faulted message's correlation id, as MassTransit's
-/// (ABS/Contexts/SendContextExtensions.cs `TransferConsumeContextHeaders`).
+/// (ABS/Contexts/SendContextExtensions.cs `TransferConsumeContextHeaders`);
+/// `faultMessageTypes` every type the faulted message listed, as
+/// MassTransit's (`SupportedMessageTypes`, MT/Events/FaultEvent.cs). Every
+/// id is a GUID or `null`: an id of the faulted message that is not a GUID
+/// is left out.
 pub fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error> {
     let reason = crate::fault::truncate(fault.reason, MAX_FAULT_TEXT);
     let body = FaultBody {
@@ -568,22 +666,23 @@ pub fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error
             source: "inbox",
             data: None,
         }],
-        host: None,
-        fault_message_types: [message_urn(fault.message_type)],
+        host: host_info(),
+        fault_message_types: match fault.context.message_types.as_slice() {
+            [] => vec![message_urn(fault.message_type)],
+            types => types.iter().map(|name| message_urn(name)).collect(),
+        },
         message: RawValue::from_string(String::from_utf8_lossy(fault.message).into_owned())?,
     };
     let message = serde_json::value::to_raw_value(&body)?;
-    let conversation = fault
-        .context
-        .conversation_id
-        .clone()
-        .or_else(|| Some(Uuid::now_v7().to_string()));
+    let correlation = guid(fault.context.correlation_id.as_deref());
+    let conversation =
+        guid(fault.context.conversation_id.as_deref()).or_else(|| Some(Uuid::now_v7().to_string()));
     let envelope = JsonEnvelope {
-        message_id: Some(fault.fault_id.to_string()),
+        message_id: Some(fault.message_id.to_string()),
         request_id: None,
-        correlation_id: fault.context.correlation_id.clone(),
+        correlation_id: correlation.clone(),
         conversation_id: conversation,
-        initiator_id: fault.context.correlation_id.clone(),
+        initiator_id: correlation,
         source_address: Some(fault.input_address.to_owned()),
         destination_address: None,
         response_address: None,
@@ -593,7 +692,7 @@ pub fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error
         expiration_time: None,
         sent_time: Some(fault.timestamp.to_owned()),
         headers: serde_json::Map::new(),
-        host: None,
+        host: serde_json::to_value(host_info()).ok(),
     };
     serde_json::to_vec(&envelope)
 }
@@ -622,13 +721,16 @@ pub struct Outgoing<'a> {
 }
 
 /// The JSON envelope of `outgoing`, as MassTransit writes one: every
-/// field, `null` when unset, ids as lowercase hyphenated GUIDs.
+/// field, `null` when unset, ids as lowercase hyphenated GUIDs. A
+/// correlation id that is not a GUID (carried from an incoming
+/// `correlation_id` such as `order-42`) is left out: a MassTransit consumer
+/// would throw on it.
 pub fn encode(outgoing: &Outgoing<'_>) -> Result<Vec<u8>, serde_json::Error> {
     let message = RawValue::from_string(String::from_utf8_lossy(outgoing.message).into_owned())?;
     let envelope = JsonEnvelope {
         message_id: Some(outgoing.message_id.to_string()),
         request_id: None,
-        correlation_id: outgoing.correlation_id.map(str::to_owned),
+        correlation_id: guid(outgoing.correlation_id),
         conversation_id: Some(outgoing.conversation_id.to_string()),
         initiator_id: outgoing.initiator_id.map(|id| id.to_string()),
         source_address: outgoing.source_address.map(str::to_owned),
@@ -744,7 +846,7 @@ mod tests {
             decoded.message_id,
             Uuid::parse_str("00ab0000-6ab3-f8b4-f78c-08db7c8365ff").unwrap()
         );
-        assert_eq!(decoded.message_types, ["TestSerialization:TestMessage"]);
+        assert_eq!(decoded.context.message_types, ["TestSerialization:TestMessage"]);
         let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         assert_eq!(message, serde_json::json!({"name": "Hello world!"}));
         assert_eq!(
@@ -807,7 +909,7 @@ mod tests {
             ),
         ] {
             let decoded = decode(&envelope_properties(None), no_type.as_bytes(), false).unwrap();
-            assert!(decoded.message_types.is_empty(), "{no_type}");
+            assert!(decoded.context.message_types.is_empty(), "{no_type}");
         }
     }
 
@@ -822,7 +924,10 @@ mod tests {
         );
         let decoded = decode(&envelope_properties(None), pascal.as_bytes(), false).unwrap();
         assert_eq!(decoded.message_id, id);
-        assert_eq!(decoded.message_types, ["Conference.Contracts:AttendeeCheckedIn"]);
+        assert_eq!(
+            decoded.context.message_types,
+            ["Conference.Contracts:AttendeeCheckedIn"]
+        );
         assert_eq!(decoded.context.conversation_id, Some(id.to_string()));
         let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         assert_eq!(
@@ -865,7 +970,7 @@ mod tests {
         let decoded = decode(&properties, body, true).unwrap();
         assert_eq!(decoded.message_id, id);
         assert_eq!(
-            decoded.message_types,
+            decoded.context.message_types,
             ["Conference.Contracts:AttendeeCheckedIn", "Base:Event"]
         );
         assert_eq!(decoded.message, body);
@@ -984,12 +1089,17 @@ mod tests {
             "MassTransit:Fault--My.Contracts:OrderSubmitted--"
         );
         assert_eq!(fault_exchange("MassTransit:Ping"), "MassTransit:Fault--Ping--");
-        let (fault_id, faulted) = (Uuid::now_v7(), Uuid::now_v7());
+        let (message_id, fault_id, faulted, conversation) =
+            (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
         let context = Context {
-            conversation_id: Some("c".into()),
+            conversation_id: Some(conversation.to_string()),
+            // Not a GUID: MassTransit would throw reading it.
+            correlation_id: Some("order-42".into()),
+            message_types: vec!["My.Contracts:OrderSubmitted".into(), "My.Contracts:Event".into()],
             ..Context::default()
         };
         let encoded = encode_fault(&FaultEvent {
+            message_id,
             fault_id,
             faulted_message_id: faulted,
             message_type: "My.Contracts:OrderSubmitted",
@@ -1001,23 +1111,32 @@ mod tests {
             input_address: "rabbitmq://localhost/orders",
         })
         .unwrap();
-        let properties = envelope_properties(Some(&fault_id.to_string()));
+        let properties = envelope_properties(Some(&message_id.to_string()));
         let decoded = decode(&properties, &encoded, false).unwrap();
+        assert_eq!(decoded.message_id, message_id, "an id of its own beside faultId");
         assert_eq!(
-            decoded.message_types,
+            decoded.context.message_types,
             [
                 "MassTransit:Fault[[My.Contracts:OrderSubmitted]]",
                 "MassTransit:Fault"
             ]
         );
-        assert_eq!(decoded.context.conversation_id.as_deref(), Some("c"));
+        assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.context.correlation_id, None, "a GUID or null");
+        assert_eq!(decoded.context.initiator_id, None, "a GUID or null");
         let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(body["faultId"], fault_id.to_string());
         assert_eq!(body["faultedMessageId"], faulted.to_string());
         assert_eq!(body["exceptions"][0]["message"], "boom");
         assert_eq!(
-            body["faultMessageTypes"][0],
-            "urn:message:My.Contracts:OrderSubmitted"
+            body["faultMessageTypes"],
+            serde_json::json!([
+                "urn:message:My.Contracts:OrderSubmitted",
+                "urn:message:My.Contracts:Event"
+            ]),
+            "every type the faulted message listed"
         );
+        assert_eq!(body["host"]["processId"], std::process::id());
         assert_eq!(body["message"], serde_json::json!({"orderId": 1}));
         let text = String::from_utf8(decoded.message).unwrap();
         let order = [
@@ -1033,6 +1152,33 @@ mod tests {
             .map(|f| text.find(&format!("\"{f}\":")).unwrap())
             .collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+    }
+
+    #[test]
+    fn a_follow_up_carries_only_guids_for_ids_as_masstransit_reads_them() {
+        let id = Uuid::now_v7();
+        let outgoing = |correlation_id| Outgoing {
+            message_id: id,
+            message_type: "Conference.Contracts:CheckinRecorded",
+            message: br#"{"attendeeId": 1}"#,
+            conversation_id: id,
+            correlation_id,
+            initiator_id: Some(id),
+            source_address: None,
+            destination_address: None,
+            sent_time: "2026-12-04T03:00:00.000000Z",
+        };
+        let read = |encoded: Vec<u8>| {
+            decode(&envelope_properties(None), &encoded, false)
+                .unwrap()
+                .context
+        };
+        // From an incoming correlation_id such as `order-42`: left out.
+        let context = read(encode(&outgoing(Some("order-42"))).unwrap());
+        assert_eq!(context.correlation_id, None);
+        let guid = Uuid::now_v7().to_string();
+        let context = read(encode(&outgoing(Some(&guid))).unwrap());
+        assert_eq!(context.correlation_id, Some(guid));
     }
 
     #[test]

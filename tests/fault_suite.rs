@@ -746,7 +746,7 @@ fn forwarded_source(
         Wire::Masstransit => {
             let decoded =
                 inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).ok()?;
-            let is_recorded = decoded.message_types.first().map(String::as_str)
+            let is_recorded = decoded.context.message_types.first().map(String::as_str)
                 == Some(<common::masstransit::CheckinRecorded as inbox::IntegrationEvent>::TYPE);
             let recorded: common::masstransit::CheckinRecorded =
                 serde_json::from_slice(&decoded.message).ok()?;

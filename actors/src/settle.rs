@@ -616,10 +616,11 @@ impl Settler {
             return;
         };
         let message_type = envelope.event_type.as_str();
-        let fault_id = inbox::uuid::Uuid::now_v7();
+        let message_id = inbox::uuid::Uuid::now_v7();
         let timestamp = inbox::internal::fault::now();
         let fault = FaultEvent {
-            fault_id,
+            message_id,
+            fault_id: inbox::uuid::Uuid::now_v7(),
             faulted_message_id: envelope.message_id,
             message_type,
             message: &envelope.body,
@@ -631,7 +632,7 @@ impl Settler {
         };
         let published = match encode_fault(&fault) {
             Ok(envelope) => {
-                let properties = inbox::internal::masstransit::properties(fault_id);
+                let properties = inbox::internal::masstransit::properties(message_id);
                 self.forwarder
                     .publish_to_subscribers(
                         &fault_exchange(message_type),
@@ -653,7 +654,8 @@ impl Settler {
 
     /// MassTransit's headers for a move to `to`: `MT-Reason` and the
     /// `MT-Fault-*` of its error queue, `MT-Reason: dead-letter` for its
-    /// skipped queue, `MT-Redelivery-Count` for a retry tier.
+    /// skipped queue, the `MT-Host-*` of both, `MT-Redelivery-Count` for a
+    /// retry tier.
     fn stamp_masstransit(
         &self,
         headers: &mut inbox::internal::lapin::types::FieldTable,
@@ -661,11 +663,17 @@ impl Settler {
         failure: &Failure,
         message_type: &str,
     ) {
-        use inbox::internal::masstransit::{Fault, stamp_dead_letter, stamp_fault, stamp_redelivery};
+        use inbox::internal::masstransit::{
+            Fault, stamp_dead_letter, stamp_fault, stamp_host, stamp_redelivery,
+        };
         match to {
             Target::RetryTier(_) => stamp_redelivery(headers, failure.history.redeliveries),
-            Target::Skipped => stamp_dead_letter(headers),
+            Target::Skipped => {
+                stamp_dead_letter(headers);
+                stamp_host(headers);
+            }
             Target::Exhausted | Target::Rejected => {
+                stamp_host(headers);
                 let stage = failure.stage.to_string();
                 stamp_fault(
                     headers,

@@ -83,6 +83,7 @@ pub async fn replay_on(
     let mut removed = fault::headers::ALL.to_vec();
     if wire == Wire::Masstransit {
         removed.extend(crate::masstransit::headers::SET_ASIDE);
+        removed.extend(crate::masstransit::headers::HOST);
     }
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {

@@ -259,7 +259,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     );
     assert_eq!(sent.properties.kind(), &None, "MassTransit sets no `type`");
     let decoded = inbox::internal::masstransit::decode(&sent.properties, &sent.data, false).unwrap();
-    assert_eq!(decoded.message_types, [Announced::TYPE]);
+    assert_eq!(decoded.context.message_types, [Announced::TYPE]);
     assert_eq!(decoded.message_id, message.id);
     assert!(decoded.context.conversation_id.is_some(), "a new conversation");
     let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
@@ -357,6 +357,12 @@ async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_it
     );
     assert!(header(copy, "MT-Fault-Timestamp").is_some());
     assert_eq!(
+        header(copy, "MT-Host-ProcessId"),
+        Some(std::process::id().to_string()),
+        "the host that moved it, as MassTransit's move transport writes it"
+    );
+    assert!(header(copy, "MT-Host-MachineName").is_some_and(|name| !name.is_empty()));
+    assert_eq!(
         header(copy, "x-inbox-reason").as_deref(),
         Some("key 7 is refused")
     );
@@ -376,6 +382,10 @@ async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_it
         .expect("the unknown type is in Q_skipped");
     assert_eq!(skipped.data, unknown_body.as_bytes());
     assert_eq!(header(&skipped, "MT-Reason").as_deref(), Some("dead-letter"));
+    assert_eq!(
+        header(&skipped, "MT-Host-ProcessId"),
+        Some(std::process::id().to_string())
+    );
     assert_eq!(env.count("counts", 7).await, 0);
 }
 
@@ -496,7 +506,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
         properties.message_id().as_ref().map(|i| i.as_str().to_owned()),
         Some(decoded.message_id.to_string())
     );
-    assert_eq!(decoded.message_types, [Recorded::TYPE]);
+    assert_eq!(decoded.context.message_types, [Recorded::TYPE]);
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
     assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
     assert_eq!(
@@ -570,7 +580,7 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
     assert_eq!(checkins, 1, "once, the redelivery skipped");
     let arrived = env.take(&forward).await.expect("the follow-up");
     let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
-    assert_eq!(decoded.message_types, [RECORDED]);
+    assert_eq!(decoded.context.message_types, [RECORDED]);
     assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
     let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
@@ -725,7 +735,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     let fault = env.take(&faults).await.expect("the fault");
     let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
     assert_eq!(
-        decoded.message_types,
+        decoded.context.message_types,
         [
             "MassTransit:Fault[[Inbox.Tests.MassTransit:Faulted]]",
             "MassTransit:Fault"
