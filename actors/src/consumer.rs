@@ -310,7 +310,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
-            Ok(pending) if pending.goes_alone() || self.settler.must_count(&pending) => {
+            Ok(pending) if self.settler.settles_alone(&pending) => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
                 ctx.spawn(
                     work.into_actor(self)

@@ -309,7 +309,7 @@ impl Work {
             }
             Err(e) => return Outcome::Abandoned(give_up(uow, Stage::InboxClaim, &e).await),
         }
-        match crate::handler::handle(&route.one, envelope, uow).await {
+        match self.handle_every_type(route, envelope, uow).await {
             Ok(Handled::Done(mut uow)) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     return Outcome::Abandoned(give_up(uow, Stage::InboxRecord, &e).await);
@@ -341,6 +341,49 @@ impl Work {
             // was discarded.
             Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerCall, e)),
         }
+    }
+}
+
+impl Work {
+    /// Runs the handlers of `envelope`'s type on `route`, then, for a
+    /// MassTransit message that lists more of the types handlers are
+    /// registered for (its class, base classes, interfaces), those of each
+    /// of them in the order listed, every one reading the message as its
+    /// own type, all in the one unit of work: as MassTransit runs every
+    /// consumer whose type the message lists (MT/Middleware/MessageTypeFilter.cs).
+    /// The first failure stops the others, and the message fails whole.
+    async fn handle_every_type(
+        &self,
+        route: &Route,
+        envelope: Arc<Envelope>,
+        uow: UnitOfWork,
+    ) -> Result<Handled, MailboxError> {
+        let others: Vec<(&String, &Route)> = match &envelope.masstransit {
+            Some(context) => {
+                let mut others = Vec::new();
+                for name in &context.message_types {
+                    if *name != envelope.event_type
+                        && !others.iter().any(|(other, _)| *other == name)
+                        && let Some(route) = self.routes.get(name)
+                    {
+                        others.push((name, route));
+                    }
+                }
+                others
+            }
+            None => Vec::new(),
+        };
+        let mut handled = crate::handler::handle(&route.one, Arc::clone(&envelope), uow).await?;
+        for (name, route) in others {
+            let Handled::Done(uow) = handled else {
+                break;
+            };
+            // The message as this type: its handlers' context names it.
+            let mut as_type = (*envelope).clone();
+            as_type.event_type = name.clone();
+            handled = crate::handler::handle(&route.one, Arc::new(as_type), uow).await?;
+        }
+        Ok(handled)
     }
 }
 

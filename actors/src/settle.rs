@@ -278,9 +278,25 @@ impl Settler {
         self.process(pending, known).await
     }
 
-    /// Whether `pending` is a redelivery this queue counts itself: it then
-    /// settles alone, counted before its handlers run.
-    pub(crate) fn must_count(&self, pending: &Pending) -> bool {
+    /// Whether `pending` settles on its own rather than in a batch: see
+    /// [`Pending::goes_alone`]; a redelivery this queue counts itself,
+    /// counted before its handlers run; and a MassTransit message listing
+    /// more than one type handlers are registered for, whose handlers of
+    /// every type run one after the other (a batch runs one type's).
+    pub(crate) fn settles_alone(&self, pending: &Pending) -> bool {
+        pending.goes_alone()
+            || self.must_count(pending)
+            || pending.envelope.masstransit.as_ref().is_some_and(|context| {
+                let mut handled = context
+                    .message_types
+                    .iter()
+                    .filter(|name| self.dialect.handled.contains(name));
+                handled.nth(1).is_some()
+            })
+    }
+
+    /// Whether `pending` is a redelivery this queue counts itself.
+    fn must_count(&self, pending: &Pending) -> bool {
         self.counts_redeliveries && pending.delivery.redelivered
     }
 

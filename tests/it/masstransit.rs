@@ -1177,3 +1177,112 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
     expected.sort();
     assert_eq!(set_aside, expected);
 }
+
+/// A message's class, as a MassTransit producer publishes it...
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+struct OrderShipped {
+    order_id: i64,
+    carrier: String,
+}
+
+impl IntegrationEvent for OrderShipped {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:OrderShipped";
+}
+
+/// ...and an interface it implements, read from the same JSON.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+struct OrderEvent {
+    order_id: i64,
+}
+
+impl IntegrationEvent for OrderEvent {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:IOrderEvent";
+}
+
+/// Counts shipments at `order_id`; fails order 13.
+struct CountShipped;
+
+impl EventHandler<OrderShipped> for CountShipped {
+    async fn handle(&self, event: &OrderShipped, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        assert_eq!(event.carrier, "post", "read as its own type");
+        increment(uow, "counts", event.order_id).await
+    }
+}
+
+/// Counts order events at `order_id` in `second_counts`; refuses order 13.
+struct CountOrderEvents;
+
+impl EventHandler<OrderEvent> for CountOrderEvents {
+    async fn handle(&self, event: &OrderEvent, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if uow
+            .context()
+            .is_none_or(|context| context.event_type != OrderEvent::TYPE)
+        {
+            return Err("the context names another type".into());
+        }
+        if event.order_id == 13 {
+            return Err(Permanent::new("order 13 is refused").into());
+        }
+        increment(uow, "second_counts", event.order_id).await
+    }
+}
+
+#[actix_rt::test]
+async fn every_handler_of_every_type_a_message_lists_runs_once_in_its_one_transaction() {
+    for batch_size in [1, 8] {
+        let env = TestEnv::new(&format!("mt_every_type_{batch_size}")).await;
+        let mut settings = masstransit(&env);
+        settings.queues[0].batch_size = batch_size;
+        let runtime = Runtime::builder(settings.valid())
+            .handler(CountShipped)
+            .handler(CountOrderEvents)
+            .start()
+            .await
+            .unwrap();
+        let types = format!(
+            r#"["urn:message:{}", "urn:message:Inbox.Tests.MassTransit:Unhandled", "urn:message:{}"]"#,
+            OrderShipped::TYPE,
+            OrderEvent::TYPE
+        );
+        for order in [1, 2, 13, 3] {
+            let id = Uuid::now_v7();
+            let body = format!(
+                r#"{{"messageId": "{id}", "messageType": {types}, "message": {{"orderId": {order}, "carrier": "post"}}}}"#
+            );
+            publish_as_masstransit(&env.queue, id, &body).await;
+        }
+        wait_until("three complete and order 13 is refused", || async {
+            let s = runtime.stats();
+            s.completed == 3 && s.rejected == 1
+        })
+        .await;
+        runtime.shutdown().await;
+        for order in [1, 2, 3] {
+            assert_eq!(
+                env.count("counts", order).await,
+                1,
+                "batch {batch_size}, order {order}"
+            );
+            assert_eq!(
+                env.count("second_counts", order).await,
+                1,
+                "batch {batch_size}, order {order}"
+            );
+        }
+        assert_eq!(
+            (
+                env.count("counts", 13).await,
+                env.count("second_counts", 13).await
+            ),
+            (0, 0),
+            "a failure of one type's handler undoes the other's"
+        );
+        assert_eq!(
+            env.scalar("SELECT count(*) FROM inbox_messages").await,
+            3,
+            "recorded once each"
+        );
+    }
+}
