@@ -98,7 +98,11 @@ pub struct DedupActor {
     /// batch's) unit of work may take.
     transaction_timeout: Duration,
     store: Arc<dyn DynInboxStore>,
+    /// Every handled type's route: a consumer's, unless its queue names
+    /// its types (`queues[].event_types`).
     routes: Arc<Routes>,
+    /// Per consumer id whose queue names its types, those types' routes.
+    routes_by_consumer: HashMap<Arc<str>, Arc<Routes>>,
     stats: Arc<Stats>,
     /// Per consumer, the batches that may run their handlers at once
     /// (`queues[].concurrent_batches`, 1 by default); the others may claim
@@ -124,12 +128,25 @@ impl DedupActor {
         outbox: Outbox,
         queues: &[inbox::QueueSettings],
     ) -> Self {
+        let routes_by_consumer = queues
+            .iter()
+            .filter(|queue| !queue.event_types.is_empty())
+            .map(|queue| {
+                let own: Routes = routes
+                    .iter()
+                    .filter(|(name, _)| queue.event_types.contains(name))
+                    .map(|(name, route)| (name.clone(), route.clone()))
+                    .collect();
+                (queue.consumer_id().into(), Arc::new(own))
+            })
+            .collect();
         Self {
             pool,
             outbox,
             transaction_timeout,
             store,
             routes: Arc::new(routes),
+            routes_by_consumer,
             stats,
             batch_lanes: HashMap::new(),
             claim_waits: queues
@@ -175,7 +192,7 @@ impl DedupActor {
             pool: self.pool.clone(),
             outbox: self.outbox.clone(),
             store: Arc::clone(&self.store),
-            routes: Arc::clone(&self.routes),
+            routes: Arc::clone(self.routes_by_consumer.get(consumer).unwrap_or(&self.routes)),
             stats: Arc::clone(&self.stats),
         }
     }

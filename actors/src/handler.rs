@@ -288,6 +288,20 @@ impl HandledTypes {
         Self(types.into())
     }
 
+    /// Those of them named in `names`; all when `names` is empty.
+    pub(crate) fn only(&self, names: &[String]) -> Self {
+        if names.is_empty() {
+            return self.clone();
+        }
+        let kept: Vec<_> = self
+            .0
+            .iter()
+            .filter(|(name, _)| names.contains(name))
+            .cloned()
+            .collect();
+        Self(kept.into())
+    }
+
     /// Their names, sorted.
     pub(crate) fn names(&self) -> Vec<&str> {
         self.0.iter().map(|(name, _)| name.as_str()).collect()

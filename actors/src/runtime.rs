@@ -230,8 +230,28 @@ impl RuntimeBuilder {
 }
 
 /// Refuses to consume with no handler at all: every message, retries in
-/// progress included, would go to its skipped queue.
+/// progress included, would go to its skipped queue; and a queue that
+/// names a type no handler is registered for (`queues[].event_types`).
 fn check_handlers(settings: &Settings, routes: &HashMap<&'static str, Box<dyn Registered>>) -> Result<()> {
+    for (i, queue) in settings.queues.iter().enumerate() {
+        if let Some(missing) = queue
+            .event_types
+            .iter()
+            .find(|name| !routes.contains_key(name.as_str()))
+        {
+            let mut registered: Vec<&str> = routes.keys().copied().collect();
+            registered.sort_unstable();
+            return Err(Error::new(
+                ErrorKind::Usage,
+                format!(
+                    "queues[{i}].event_types names `{missing}` for queue `{}`, but no handler is registered for \
+                     it (registered: {})",
+                    queue.name,
+                    registered.join(", ")
+                ),
+            ));
+        }
+    }
     if settings.message_bus.provider == Provider::Rabbitmq && routes.is_empty() && !settings.queues.is_empty()
     {
         let queues: Vec<&str> = settings.queues.iter().map(|q| q.name.as_str()).collect();
@@ -411,8 +431,9 @@ impl Runtime {
                 inbox::internal::AmqpPublisher::connect(&self.settings, "inbox publisher").await?;
             publisher.declare_exchange().await?;
             let connection = publisher.connection().await;
-            let types = self.handled.names();
             for queue in &self.settings.queues {
+                let handled = self.handled.only(&queue.event_types);
+                let types = handled.names();
                 let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
                 let declared =
                     inbox::internal::amqp::declare_wire_topology(&connection, queue, failure, wire, &types)
@@ -469,7 +490,7 @@ impl Runtime {
         let queues: Vec<&str> = self.settings.queues.iter().map(|q| q.name.as_str()).collect();
         tracing::info!(queues = %queues.join(", "), broker = %self.settings.broker_endpoint(), "starting to consume");
         for queue in &self.settings.queues {
-            let link = Link::open(&self.settings, queue, self.handled.clone()).await?;
+            let link = Link::open(&self.settings, queue, self.handled.only(&queue.event_types)).await?;
             let connected = Arc::new(AtomicBool::new(false));
             let actor = ConsumerActor::new(
                 &self.settings,

@@ -318,6 +318,14 @@ pub struct QueueSettings {
     /// runtime. Default `false`.
     #[serde(default)]
     pub raw_json: bool,
+    /// `event_types`: the event types this queue's consumer handles, by
+    /// name (`IntegrationEvent::TYPE`); each must have a handler. On
+    /// MassTransit's wire only their exchanges are bound to the queue, so a
+    /// type handled on two queues is processed on both, on purpose, under
+    /// each queue's consumer id. A message of another type is skipped.
+    /// Empty (the default): every type a handler is registered for.
+    #[serde(default)]
+    pub event_types: Vec<String>,
 }
 
 fn default_delivery_limit() -> u32 {
@@ -348,6 +356,7 @@ impl QueueSettings {
             concurrent_batches: default_concurrent_batches(),
             delivery_limit: default_delivery_limit(),
             raw_json: false,
+            event_types: Vec::new(),
         }
     }
 

@@ -1286,3 +1286,131 @@ async fn every_handler_of_every_type_a_message_lists_runs_once_in_its_one_transa
         );
     }
 }
+
+/// Three contracts of the per-queue test's own, so that no other test's
+/// queue is bound to their exchanges.
+macro_rules! keyed_event {
+    ($name:ident, $type_name:literal) => {
+        #[derive(Debug, Clone, Serialize, Deserialize)]
+        struct $name {
+            key: i64,
+        }
+
+        impl IntegrationEvent for $name {
+            const TYPE: &'static str = $type_name;
+        }
+    };
+}
+keyed_event!(PerQueueA, "Inbox.Tests.PerQueue:A");
+keyed_event!(PerQueueB, "Inbox.Tests.PerQueue:B");
+keyed_event!(PerQueueBoth, "Inbox.Tests.PerQueue:Both");
+
+/// Counts each event in `table` at its key.
+struct CountIn(&'static str);
+
+impl EventHandler<PerQueueA> for CountIn {
+    async fn handle(&self, event: &PerQueueA, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, self.0, event.key).await
+    }
+}
+
+impl EventHandler<PerQueueB> for CountIn {
+    async fn handle(&self, event: &PerQueueB, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, self.0, event.key).await
+    }
+}
+
+impl EventHandler<PerQueueBoth> for CountIn {
+    async fn handle(&self, event: &PerQueueBoth, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        increment(uow, self.0, event.key).await
+    }
+}
+
+#[actix_rt::test]
+async fn each_queue_takes_the_types_it_names_and_a_type_named_on_two_is_processed_on_both() {
+    let mut env = TestEnv::new("mt_per_queue").await;
+    let second = env.another_queue("b");
+    let mut settings = masstransit(&env);
+    settings.queues[0].event_types = vec![PerQueueA::TYPE.into(), PerQueueBoth::TYPE.into()];
+    let mut b = inbox::QueueSettings::new(&second);
+    b.event_types = vec![PerQueueB::TYPE.into(), PerQueueBoth::TYPE.into()];
+    settings.queues.push(b);
+    let runtime = Runtime::builder(settings.clone().valid())
+        .handler::<PerQueueA, _>(CountIn("counts"))
+        .handler::<PerQueueB, _>(CountIn("second_counts"))
+        .handler::<PerQueueBoth, _>(CountIn("counts"))
+        .start()
+        .await
+        .unwrap();
+    let publish = |message_type: &'static str, key: i64| async move {
+        let id = Uuid::now_v7();
+        let body = envelope(id, Uuid::now_v7(), message_type, &format!(r#"{{"key": {key}}}"#));
+        publish_as_masstransit(message_type, id, &body).await;
+    };
+    publish(PerQueueA::TYPE, 1).await;
+    publish(PerQueueB::TYPE, 2).await;
+    publish(PerQueueBoth::TYPE, 900).await;
+    wait_until("A on the first queue, B on the second, Both on both", || async {
+        env.scalar("SELECT count(*) FROM inbox_messages").await == 4
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(
+        counted_per_type(&env).await,
+        (1, 1, 2),
+        "(A, B, Both): once each, Both once on each queue"
+    );
+    let consumers: Vec<(String, String)> = env
+        .db()
+        .await
+        .query(
+            "SELECT consumer, event_type FROM inbox_messages ORDER BY consumer, event_type",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let mut expected = vec![
+        (env.queue.clone(), PerQueueA::TYPE.to_owned()),
+        (env.queue.clone(), PerQueueBoth::TYPE.to_owned()),
+        (second.clone(), PerQueueB::TYPE.to_owned()),
+        (second.clone(), PerQueueBoth::TYPE.to_owned()),
+    ];
+    expected.sort();
+    assert_eq!(consumers, expected);
+
+    // A queue that names a type without a handler: refused at start.
+    settings.queues[0]
+        .event_types
+        .push("Inbox.Tests.PerQueue:Nobody".into());
+    let error = Runtime::builder(settings.valid())
+        .handler::<PerQueueA, _>(CountIn("counts"))
+        .handler::<PerQueueB, _>(CountIn("second_counts"))
+        .handler::<PerQueueBoth, _>(CountIn("counts"))
+        .start()
+        .await
+        .expect_err("a type without a handler")
+        .to_string();
+    assert!(
+        error.contains("queues[0].event_types") && error.contains("Inbox.Tests.PerQueue:Nobody"),
+        "{error}"
+    );
+
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for exchange in [PerQueueA::TYPE, PerQueueB::TYPE, PerQueueBoth::TYPE] {
+        let _ = channel.exchange_delete(exchange.into(), Default::default()).await;
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
+/// (A's count at 1, B's at 2, Both's at 900), as the handlers wrote them.
+async fn counted_per_type(env: &TestEnv) -> (i64, i64, i64) {
+    (
+        env.count("counts", 1).await,
+        env.count("second_counts", 2).await,
+        env.count("counts", 900).await,
+    )
+}
