@@ -216,7 +216,11 @@ impl Fault<'_> {
 ///   channel), and the runtime publishes as itself. Kept in
 ///   [`x-inbox-original-user-id`](headers::ORIGINAL_USER_ID).
 ///
-/// A copy of a copy keeps the first one's record.
+/// A copy of a copy keeps the first one's record. And every copy is
+/// persistent, whatever the original was: a classic queue (one another
+/// client declared, taken over as it is) drops a transient message when
+/// the broker restarts, and a copy set aside stays until someone acts on
+/// it.
 pub fn copy_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
     let keep = |headers: &mut FieldTable, key: &str, value: &Option<lapin::types::ShortString>| {
         if let Some(value) = value
@@ -229,15 +233,14 @@ pub fn copy_properties(original: &BasicProperties, mut headers: FieldTable) -> B
     keep(&mut headers, headers::ORIGINAL_USER_ID, original.user_id());
     // lapin can set a property but not unset one: the copy is built anew
     // with every property but those two.
-    let mut copy = BasicProperties::default().with_headers(headers);
+    let mut copy = BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(crate::amqp::PERSISTENT);
     if let Some(v) = original.content_type() {
         copy = copy.with_content_type(v.clone());
     }
     if let Some(v) = original.content_encoding() {
         copy = copy.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.delivery_mode() {
-        copy = copy.with_delivery_mode(*v);
     }
     if let Some(v) = original.priority() {
         copy = copy.with_priority(*v);
@@ -388,6 +391,11 @@ mod tests {
         );
         let plain = copy_properties(&BasicProperties::default(), FieldTable::default());
         assert_eq!(plain.headers().clone().unwrap_or_default().inner().len(), 0);
+        assert_eq!(
+            plain.delivery_mode(),
+            &Some(2),
+            "a transient original's copy is persistent"
+        );
     }
 
     #[test]

@@ -570,6 +570,39 @@ pub fn stamp_redelivery(headers: &mut FieldTable, count: u32) {
     );
 }
 
+/// `envelope` with `count` as its `MT-Redelivery-Count` header, where
+/// MassTransit reads a message's redelivery count: the envelope's own
+/// `headers` (ABS/Middleware/RetryContextExtensions.cs reads
+/// `ConsumeContext.Headers`, which MT/Serialization/EnvelopeMessageContext.cs
+/// takes from the envelope), as its delayed redelivery writes it
+/// (ABS/Contexts/SendContextExtensions.cs, from
+/// MT/Middleware/DelayedMessageRedeliveryContext.cs). Every
+/// other field is kept as it was, to the byte (read as raw JSON); only
+/// their order may change. Unchanged when it is no JSON object.
+pub fn with_redelivery_count(envelope: &[u8], count: u32) -> std::borrow::Cow<'_, [u8]> {
+    use std::borrow::Cow;
+    let Ok(mut fields) =
+        serde_json::from_slice::<std::collections::BTreeMap<String, Box<RawValue>>>(envelope)
+    else {
+        return Cow::Borrowed(envelope);
+    };
+    let key = fields
+        .keys()
+        .find(|key| key.eq_ignore_ascii_case("headers"))
+        .cloned()
+        .unwrap_or_else(|| "headers".to_owned());
+    let mut headers: serde_json::Map<String, serde_json::Value> = fields
+        .get(&key)
+        .and_then(|raw| serde_json::from_str(raw.get()).ok())
+        .unwrap_or_default();
+    headers.insert(headers::REDELIVERY_COUNT.to_owned(), count.into());
+    let Ok(raw) = serde_json::value::to_raw_value(&headers) else {
+        return Cow::Borrowed(envelope);
+    };
+    fields.insert(key, raw);
+    serde_json::to_vec(&fields).map_or(Cow::Borrowed(envelope), Cow::Owned)
+}
+
 /// The exchange every `Fault<T>` exchange is bound to, as MassTransit's
 /// publish topology flattens `Fault<T>`'s hierarchy
 /// (RMQ/RabbitMqTransport/Topology/RabbitMqMessagePublishTopology.cs).
@@ -1179,6 +1212,27 @@ mod tests {
         let guid = Uuid::now_v7().to_string();
         let context = read(encode(&outgoing(Some(&guid))).unwrap());
         assert_eq!(context.correlation_id, Some(guid));
+    }
+
+    #[test]
+    fn a_retry_tiers_copy_carries_its_redelivery_count_in_the_envelopes_headers() {
+        let copy = with_redelivery_count(CAPTURED.as_bytes(), 2);
+        let fields: serde_json::Value = serde_json::from_slice(&copy).unwrap();
+        assert_eq!(fields["headers"][headers::REDELIVERY_COUNT], 2);
+        let original: serde_json::Value = serde_json::from_str(CAPTURED).unwrap();
+        assert_eq!(fields["message"], original["message"], "the message as it was");
+        assert_eq!(fields["messageId"], original["messageId"]);
+        // `Headers: null` in an envelope written with PascalCase names.
+        let pascal = br#"{"MessageId": "x", "Headers": null, "Message": {"n": 1.10}}"#;
+        let copy = with_redelivery_count(pascal, 1);
+        let text = String::from_utf8(copy.into_owned()).unwrap();
+        assert!(text.contains(r#""Headers":{"MT-Redelivery-Count":1}"#), "{text}");
+        assert!(
+            text.contains(r#""Message":{"n": 1.10}"#),
+            "kept to the byte: {text}"
+        );
+        // Not an envelope: unchanged.
+        assert_eq!(with_redelivery_count(b"[1]", 1).as_ref(), b"[1]");
     }
 
     #[test]

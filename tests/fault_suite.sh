@@ -15,3 +15,6 @@ suite
 suite --batch-size 8
 suite --wire masstransit
 suite --wire masstransit --batch-size 8
+# Once more on an endpoint MassTransit declared first: classic queues
+# without a delivery limit, taken over as they are.
+suite --wire masstransit --masstransit-endpoint

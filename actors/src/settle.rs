@@ -108,6 +108,14 @@ impl Dialect {
         }
     }
 
+    /// Whether a delivery with `properties` is read as raw JSON: on a
+    /// queue with `queues[].raw_json`, under its content type.
+    fn reads_raw(&self, properties: &inbox::internal::lapin::BasicProperties) -> bool {
+        self.raw_json
+            && properties.content_type().as_ref().map(|c| c.as_str())
+                == Some(inbox::internal::masstransit::RAW_JSON_CONTENT_TYPE)
+    }
+
     /// Decodes `delivery` as this wire's envelope.
     fn decode(
         &self,
@@ -593,7 +601,18 @@ impl Settler {
             );
             properties = copy_properties(&delivery.properties, headers);
         }
-        match self.forwarder.publish_raw(&queue, properties, body).await {
+        // MassTransit reads a message's redelivery count from its
+        // envelope's headers (ABS/Middleware/RetryContextExtensions.cs), a
+        // raw message's from the AMQP headers stamped above.
+        let body = match to {
+            Target::RetryTier(_)
+                if wire == Wire::Masstransit && !self.dialect.reads_raw(&delivery.properties) =>
+            {
+                inbox::internal::masstransit::with_redelivery_count(body, failure.history.redeliveries)
+            }
+            _ => std::borrow::Cow::Borrowed(body),
+        };
+        match self.forwarder.publish_raw(&queue, properties, &body).await {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
                 self.count(counter);

@@ -34,7 +34,7 @@ pub use topology::{
 };
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
-const PERSISTENT: u8 = 2;
+pub(crate) const PERSISTENT: u8 = 2;
 
 pub use crate::names::{error_queue, retry_queue, skipped_queue};
 
