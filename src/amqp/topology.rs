@@ -120,7 +120,19 @@ pub async fn declare_wire_topology(
     };
     let channel = connection.create_channel().await?;
     match adopted {
-        None => declare_queues(&channel, queue, failure, wire, message_types).await?,
+        None if wire == Wire::Inbox => declare_queues(&channel, queue, failure, wire, message_types).await?,
+        // `Q` is the runtime's (the first try declared it): so are its
+        // other queues, but for a `Q_error` or `Q_skipped` a MassTransit
+        // consumer declared before, used as it is.
+        None => {
+            declare_retry_tiers(&channel, queue, failure, wire).await?;
+            for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
+                if !equivalent(connection, &set_aside, set_aside_arguments(queue.kind)).await? {
+                    tracing::info!(queue = %set_aside, "exists with another client's arguments; used as it is");
+                }
+            }
+            declare_masstransit_exchanges(&channel, queue, wire, message_types).await?;
+        }
         Some(shape) => {
             declare_retry_tiers(&channel, queue, failure, wire).await?;
             for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
@@ -227,6 +239,15 @@ fn main_arguments(queue: &QueueSettings, wire: Wire) -> FieldTable {
     main
 }
 
+/// The arguments of the runtime's `Q.error` and `Q.skipped`: never consumed
+/// by the runtime, their limit the highest the broker takes, so that
+/// inspecting them by hand (get and requeue) cannot spend it.
+fn set_aside_arguments(kind: QueueKind) -> FieldTable {
+    let mut arguments = base_arguments(kind);
+    limit(&mut arguments, kind, MAX_DELIVERY_LIMIT);
+    arguments
+}
+
 fn base_arguments(kind: QueueKind) -> FieldTable {
     let mut arguments = FieldTable::default();
     let kind = if kind == QueueKind::Quorum {
@@ -274,9 +295,7 @@ async fn declare_queues(
     declare(channel, &queue.name, main_arguments(queue, wire)).await?;
     declare_retry_tiers(channel, queue, failure, wire).await?;
     for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
-        let mut arguments = base_arguments(queue.kind);
-        limit(&mut arguments, queue.kind, MAX_DELIVERY_LIMIT);
-        declare(channel, &set_aside, arguments).await?;
+        declare(channel, &set_aside, set_aside_arguments(queue.kind)).await?;
     }
     declare_masstransit_exchanges(channel, queue, wire, message_types).await
 }

@@ -1416,3 +1416,39 @@ async fn counted_per_type(env: &TestEnv) -> (i64, i64, i64) {
         env.count("counts", 900).await,
     )
 }
+
+#[actix_rt::test]
+async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
+    use inbox::internal::lapin::options::QueueDeclareOptions;
+    let env = TestEnv::new("mt_error_left").await;
+    // The endpoint's queue is gone, its error queue kept (as an operator
+    // leaves it to look at): classic, without arguments.
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(error_queue.as_str().into(), durable, Default::default())
+        .await
+        .unwrap();
+    connection.close(200, "declared".into()).await.unwrap();
+
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .expect("starts beside the error queue MassTransit left");
+    let refused = Uuid::now_v7();
+    let body = envelope(refused, Uuid::now_v7(), Counted::TYPE, r#"{"key": 7}"#);
+    publish_as_masstransit(&env.queue, refused, &body).await;
+    wait_until("the refused one is set aside", || async {
+        runtime.stats().rejected == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert!(still_without_arguments(&error_queue).await, "used as it is");
+    assert!(env.take(&error_queue).await.is_some(), "and the copy is in it");
+}
