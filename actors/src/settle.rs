@@ -310,8 +310,10 @@ impl Settler {
 
     /// Counts one more delivery of `envelope` and, once it reaches
     /// `queues[].delivery_limit`, the outcome that sets it aside without
-    /// running its handlers. A count that fails (the database away) lets
-    /// the delivery go on: its transaction finds the outage too.
+    /// running its handlers. A count that fails lets the delivery go on
+    /// (the database away: its transaction finds the outage too), with a
+    /// WARN: if it keeps failing (`inbox_deliveries` missing, its migration
+    /// not run), nothing bounds a crash loop on this queue.
     async fn past_delivery_limit(&self, envelope: &Envelope) -> Option<Outcome> {
         let count = CountRedelivery {
             consumer: Arc::clone(&self.consumer),
@@ -320,11 +322,11 @@ impl Settler {
         let deliveries = match self.dedup.send(count).await {
             Ok(Ok(deliveries)) => deliveries,
             Ok(Err(abandoned)) => {
-                tracing::debug!(reason = %abandoned.reason, "cannot count the redelivery");
+                tracing::warn!(reason = %abandoned.reason, "cannot count the redelivery; handling it uncounted");
                 return None;
             }
             Err(e) => {
-                tracing::debug!(error = %e, "cannot count the redelivery");
+                tracing::warn!(error = %e, "cannot count the redelivery; handling it uncounted");
                 return None;
             }
         };
