@@ -3,7 +3,6 @@
 use std::time::Instant;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
 
 use crate::error::{Error, Result};
 use crate::settings::Settings;
@@ -37,7 +36,7 @@ pub fn create_dispatching_pool(settings: &Settings) -> Result<Pool> {
 fn build_pool(settings: &Settings, config: tokio_postgres::Config) -> Result<Pool> {
     let manager = Manager::from_config(
         config,
-        NoTls,
+        settings.pg_tls()?,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -74,10 +73,19 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
             Ok(connection) => return Ok(connection),
             Err(e) => Error::from(e),
         };
+        if let Some(tls) = crate::tls::failure(&error) {
+            return Err(Error::new(
+                crate::ErrorKind::Database,
+                format!(
+                    "cannot connect to the database {endpoint} over TLS: {}",
+                    crate::tls::explain(tls)
+                ),
+            ));
+        }
         if !error.is_unavailable() {
             return Err(Error::new(
                 crate::ErrorKind::Database,
-                format!("database {endpoint}: {error}"),
+                format!("database {endpoint}: {error}{}", tls_hint(&error, settings)),
             ));
         }
         let cause = crate::describe(&error);
@@ -94,5 +102,20 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
         let pause = backoff.next_pause().min(remaining);
         tracing::warn!(database = %endpoint, %cause, "cannot connect to the database; trying again in {pause:?}");
         tokio::time::sleep(pause).await;
+    }
+}
+
+/// What to change when the server refused a connection for want of TLS:
+/// PostgreSQL says "no encryption" in the 28000 it answers a clear-text
+/// connection that only `hostssl` lines would let in.
+fn tls_hint(error: &Error, settings: &Settings) -> &'static str {
+    let clear_text = settings
+        .pg_config()
+        .is_ok_and(|config| config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable);
+    if clear_text && crate::describe(error).contains("no encryption") {
+        " (the server takes TLS connections only: set sslmode in database.url to verify-full, with \
+         sslrootcert for a private CA)"
+    } else {
+        ""
     }
 }

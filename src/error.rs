@@ -301,6 +301,11 @@ pub fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
     /// up (57P03), read-only (25006), no connection slot left (53300).
     const UNAVAILABLE: [&str; 5] = ["57P01", "57P02", "57P03", "25006", "53300"];
     use deadpool_postgres::PoolError;
+    // A certificate refused (or a handshake the server refused) fails
+    // alike every time: the settings' to fix, not an outage.
+    if crate::tls::failure(error).is_some() {
+        return false;
+    }
     let mut current = Some(error);
     while let Some(e) = current {
         if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {

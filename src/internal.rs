@@ -31,6 +31,9 @@ pub mod outbox;
 pub mod policy;
 #[path = "retention.rs"]
 pub(crate) mod retention;
+/// TLS for both connections.
+#[path = "tls.rs"]
+pub(crate) mod tls;
 #[path = "trace.rs"]
 pub mod trace;
 

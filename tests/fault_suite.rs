@@ -52,6 +52,12 @@
 //! service's queue, brings it back, then SIGKILLs the node the service's
 //! consumer is connected to and brings it back; the service's own SIGKILLs
 //! and the crash loop run as usual. The line ends with `node_kills=2`.
+//!
+//! With `--tls` (run by tests/fault_suite.sh with `DATABASE_URL` and
+//! `AMQP_URL` naming the servers of tests/tls_servers.sh: `verify-full` and
+//! `amqps://`), the service and the suite reach a PostgreSQL that takes TLS
+//! only and a RabbitMQ node with a TLS listener only; the suite restarts
+//! those two (the cluster `tls`, the node `rabbit_tls@localhost`).
 
 #[path = "../examples/common/mod.rs"]
 mod common;
@@ -141,6 +147,8 @@ struct Suite {
     /// What its health endpoints said at each fault, and whether that was
     /// right.
     health: Vec<(bool, String)>,
+    /// `--tls`: the servers are tests/tls_servers.sh's.
+    tls: bool,
     /// `--cluster`: the broker is a cluster of tests/cluster.sh.
     cluster: bool,
     /// `--masstransit-endpoint`: the queues were declared first, as
@@ -177,13 +185,21 @@ async fn run() -> Result<bool> {
             service.display()
         )));
     }
+    let tls = std::env::args().any(|arg| arg == "--tls");
+    if tls {
+        eprintln!("fault_suite: over TLS to both servers (tests/tls_servers.sh)");
+    }
     let server = settings.pg_config()?;
-    let database_url = format!(
-        "postgres://{}@{}:{}/{DATABASE}",
-        server.get_user().unwrap_or("postgres"),
-        "127.0.0.1",
-        server.get_ports().first().copied().unwrap_or(5432)
-    );
+    let database_url = if tls {
+        settings.database.url.clone()
+    } else {
+        format!(
+            "postgres://{}@{}:{}/{DATABASE}",
+            server.get_user().unwrap_or("postgres"),
+            "127.0.0.1",
+            server.get_ports().first().copied().unwrap_or(5432)
+        )
+    };
     common::recreate_database(&settings, DATABASE).await?;
 
     let batch_size: u16 = common::parsed_arg("--batch-size", 1);
@@ -218,6 +234,7 @@ async fn run() -> Result<bool> {
         log_start: std::fs::metadata(service_log_path()).map_or(0, |m| m.len()),
         http: free_address()?,
         health: Vec::new(),
+        tls,
         cluster,
         masstransit_endpoint,
         node_kills: 0,
@@ -355,7 +372,10 @@ impl Suite {
     /// publishing connection, then lifts it. The watermark goes back to
     /// what it was.
     async fn raise_memory_alarm(&mut self) -> Result<()> {
-        let before = sh("rabbitmqctl eval 'vm_memory_monitor:get_vm_memory_high_watermark().'")?;
+        let before = sh(&format!(
+            "{} eval 'vm_memory_monitor:get_vm_memory_high_watermark().'",
+            self.rabbitmqctl()
+        ))?;
         let restore = match before.trim() {
             relative if relative.parse::<f64>().is_ok() => relative.to_owned(),
             other => match other.strip_prefix("{absolute,").and_then(|n| n.strip_suffix('}')) {
@@ -376,7 +396,10 @@ impl Suite {
         )
         .await?;
         let _ = connection.close(200, "done".into()).await;
-        sh("rabbitmqctl -q set_vm_memory_high_watermark 0.000001")?;
+        sh(&format!(
+            "{} -q set_vm_memory_high_watermark 0.000001",
+            self.rabbitmqctl()
+        ))?;
         self.say("raised a memory alarm");
         let pool = inbox::internal::create_pool(&self.settings)?;
         pool.get()
@@ -389,7 +412,10 @@ impl Suite {
             .await?;
         pool.close();
         tokio::time::sleep(Duration::from_secs(3)).await;
-        sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {restore}"))?;
+        sh(&format!(
+            "{} -q set_vm_memory_high_watermark {restore}",
+            self.rabbitmqctl()
+        ))?;
         self.alarms += 1;
         self.say("cleared the memory alarm");
         Ok(())
@@ -457,12 +483,27 @@ impl Suite {
         }
     }
 
+    /// rabbitmqctl for the node the service uses (the machine's, or the
+    /// TLS node of tests/tls_servers.sh).
+    fn rabbitmqctl(&self) -> &'static str {
+        match self.tls {
+            true => "rabbitmqctl -n rabbit_tls@localhost",
+            false => "rabbitmqctl",
+        }
+    }
+
     fn close_service_connections(&self) -> Result<()> {
-        let listing = sh("rabbitmqctl list_connections -q pid client_properties")?;
+        let listing = sh(&format!(
+            "{} list_connections -q pid client_properties",
+            self.rabbitmqctl()
+        ))?;
         let mut closed = 0;
         for line in listing.lines().filter(|l| l.contains("inbox faults.checkin")) {
             if let Some(pid) = line.split_whitespace().next() {
-                sh(&format!("rabbitmqctl close_connection '{pid}' 'fault suite'"))?;
+                sh(&format!(
+                    "{} close_connection '{pid}' 'fault suite'",
+                    self.rabbitmqctl()
+                ))?;
                 closed += 1;
             }
         }
@@ -517,10 +558,15 @@ impl Suite {
 
     async fn restart_postgres(&mut self) -> Result<()> {
         self.expect_ready("before PostgreSQL stops").await;
-        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main stop")?;
+        let cluster = if self.tls { "tls" } else { "main" };
+        sh(&format!(
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | sort -V | tail -n 1) {cluster} stop"
+        ))?;
         self.expect_unready("database", "while PostgreSQL is stopped")
             .await;
-        sh("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")?;
+        sh(&format!(
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | sort -V | tail -n 1) {cluster} start"
+        ))?;
         self.db_restarts += 1;
         self.say("restarted PostgreSQL");
         Ok(())
@@ -528,10 +574,11 @@ impl Suite {
 
     async fn restart_rabbitmq(&mut self) -> Result<()> {
         self.expect_ready("before RabbitMQ stops").await;
-        sh("rabbitmqctl -q stop_app")?;
+        let ctl = self.rabbitmqctl();
+        sh(&format!("{ctl} -q stop_app"))?;
         self.expect_unready("not connected", "while RabbitMQ is stopped")
             .await;
-        sh("rabbitmqctl -q start_app && rabbitmqctl -q await_startup")?;
+        sh(&format!("{ctl} -q start_app && {ctl} -q await_startup"))?;
         self.broker_restarts += 1;
         self.say("restarted RabbitMQ");
         Ok(())
@@ -798,16 +845,13 @@ async fn wait_for_queue(settings: &Settings, queue: &str) -> Result<()> {
     }
 }
 
-/// A connection to the first broker (or cluster node) that takes one.
+/// A connection to the first broker (or cluster node) that takes one, as
+/// the runtime connects (TLS included).
 async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
-    let mut last = None;
-    for url in &settings.message_bus.amqp_urls {
-        match Connection::connect(url, Default::default()).await {
-            Ok(connection) => return Ok(Arc::new(connection)),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.map_or_else(|| fail("no broker URL"), Error::from))
+    // Briefly: the callers try again themselves, or report a broker down.
+    let mut settings = settings.clone();
+    settings.message_bus.connect_timeout = Duration::from_secs(3);
+    Ok(amqp::connect(&settings, "fault suite").await?)
 }
 
 /// Messages ready in `queue`.

@@ -39,7 +39,7 @@ pub(crate) struct OutboxActor {
     outbox: Outbox,
     stats: Arc<Stats>,
     /// The database, for the LISTEN connection.
-    listen_to: Option<inbox::tokio_postgres::Config>,
+    listen_to: Option<inbox::internal::outbox::ListenTo>,
     /// Set to `true` to stop; the dispatch loop watches it.
     stop: watch::Sender<bool>,
     /// Resolves when the dispatch loop has ended.
@@ -53,7 +53,7 @@ impl OutboxActor {
         settings: OutboxSettings,
         outbox: Outbox,
         stats: Arc<Stats>,
-        listen_to: Option<inbox::tokio_postgres::Config>,
+        listen_to: Option<inbox::internal::outbox::ListenTo>,
     ) -> Self {
         Self {
             pool,
@@ -92,7 +92,7 @@ impl OutboxActor {
     }
 
     /// Wakes the dispatcher when another process commits rows (LISTEN/NOTIFY).
-    fn listening(&self, config: inbox::tokio_postgres::Config) -> impl Future<Output = ()> + 'static {
+    fn listening(&self, config: inbox::internal::outbox::ListenTo) -> impl Future<Output = ()> + 'static {
         let wake = Arc::clone(&self.outbox.wake);
         inbox::internal::outbox::listen(config, move || wake.notify_one(), self.stopped())
     }

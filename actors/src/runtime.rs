@@ -292,6 +292,9 @@ fn warn_when_off(settings: &Settings) {
 /// The pool, once the database answers and the migrations (the inbox's,
 /// then the service's) have run.
 async fn prepare_database(settings: &Settings, migrations: &[Migration]) -> Result<Pool> {
+    for unverified in settings.insecure_connections() {
+        tracing::warn!("connection not verified: {unverified}");
+    }
     // With the outbox on, this process dispatches it and wakes its
     // dispatcher itself: its commits need not notify others.
     let pool = match settings.is_outbox_enabled() {
@@ -467,7 +470,7 @@ impl Runtime {
             self.outbox.clone(),
         );
         let stats = Arc::clone(&self.stats);
-        let listen_to = self.settings.pg_config().ok();
+        let listen_to = inbox::internal::outbox::ListenTo::of(&self.settings).ok();
         let dispatcher =
             Supervisor::start(move |_| OutboxActor::new(pool, sink, settings, outbox, stats, listen_to));
         self.health.watch_actor("outbox dispatcher", running(&dispatcher));

@@ -373,10 +373,12 @@ pub(crate) fn own_database(settings: &Settings) -> Option<String> {
         config.get_dbname().or(config.get_user()).map(str::to_owned)
     };
     let own = named(&settings.pg_config().ok()?)?;
-    let given = std::env::var("DATABASE_URL")
-        .ok()
-        .and_then(|url| url.parse().ok())
-        .and_then(|config| named(&config));
+    // Read as the settings read a URL (libpq's TLS parameters apart).
+    let given = std::env::var("DATABASE_URL").ok().and_then(|url| {
+        let mut given = settings.clone();
+        given.database.url = url;
+        named(&given.pg_config().ok()?)
+    });
     (given.as_deref() != Some(own.as_str())).then_some(own)
 }
 

@@ -78,19 +78,27 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
     let mut next = NEXT_BROKER.fetch_add(1, Ordering::Relaxed);
     let mut tried_in_round = 0;
     loop {
-        let url = urls[next % urls.len()].as_str();
+        let index = next % urls.len();
+        let url = urls[index].as_str();
         next = next.wrapping_add(1);
         tried_in_round += 1;
         let endpoint = crate::settings::broker_endpoint(url);
         let left = timeout.saturating_sub(started.elapsed());
         let properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
+        // A setting that cannot work (a CA file that cannot be read) fails
+        // the connection at once, naming it.
+        let target = Target::of(settings, index)?;
         // Reach the port first, so that each failure is seen and logged
         // here, with the host it concerns.
         let connecting = async {
-            reach(url).await?;
-            Connection::connect(url, properties)
+            reach(&target.uri).await.map_err(Failure::Retry)?;
+            target
+                .connect(properties)
                 .await
-                .map_err(|e| crate::describe(&e))
+                .map_err(|e| match crate::tls::failure(&e) {
+                    Some(tls) => Failure::Tls(crate::tls::explain(tls)),
+                    None => Failure::Retry(crate::describe(&e)),
+                })
         };
         let limit = left.min(per_node);
         let cause = match tokio::time::timeout(limit, connecting).await {
@@ -101,7 +109,15 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
                 log_alarms(&connection, name, &endpoint);
                 return Ok(Arc::new(connection));
             }
-            Ok(Err(cause)) => cause,
+            // Trying again would meet the same certificate: this is the
+            // settings' to fix (or the broker's), not an outage to wait out.
+            Ok(Err(Failure::Tls(reason))) => {
+                return Err(Error::new(
+                    crate::ErrorKind::Broker,
+                    format!("cannot connect to the broker {endpoint} over TLS: {reason}"),
+                ));
+            }
+            Ok(Err(Failure::Retry(cause))) => cause,
             Err(_) => format!("no answer within {}", humantime::format_duration(limit)),
         };
         let remaining = timeout.saturating_sub(started.elapsed());
@@ -129,9 +145,78 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
     }
 }
 
-/// Opens (and closes) a TCP connection to the broker `url` names.
-async fn reach(url: &str) -> std::result::Result<(), String> {
-    let uri: lapin::uri::AMQPUri = url.parse()?;
+/// Why one connection attempt failed.
+enum Failure {
+    /// The broker could not be reached or did not let us in: worth another
+    /// attempt (with the cause, for the log).
+    Retry(String),
+    /// TLS failed (the broker's certificate, or ours): another attempt
+    /// would fail alike.
+    Tls(String),
+}
+
+/// One broker of `message_bus.amqp_urls`, as a connection reaches it: its
+/// URI (the password of `message_bus.password` or `password_file` in it,
+/// no TLS parameter left), and for `amqps://` the TLS configuration and
+/// the name its certificate must carry.
+struct Target {
+    uri: lapin::uri::AMQPUri,
+    tls: Option<(Arc<rustls::ClientConfig>, String)>,
+}
+
+impl Target {
+    /// The `index`th broker of `settings`. Reads the TLS files now, so that
+    /// a rotated certificate is taken by the next connection.
+    fn of(settings: &Settings, index: usize) -> Result<Self> {
+        let bus = &settings.message_bus;
+        let url = &bus.amqp_urls[index];
+        let key = || format!("message_bus.amqp_urls[{index}]");
+        let mut uri: lapin::uri::AMQPUri = crate::settings::without_amqp_tls_params(url)
+            .parse()
+            .map_err(|e| Error::setting(&key(), format!("not an AMQP URL: {e}")))?;
+        if let Some(password) = bus.secret_password()? {
+            uri.authority.userinfo.password = password;
+        }
+        let tls = match uri.scheme {
+            lapin::uri::AMQPScheme::AMQP => None,
+            lapin::uri::AMQPScheme::AMQPS => {
+                let tls = crate::settings::BrokerTls::of(url, index, bus)?;
+                let config = crate::tls::client_config(&tls.verify(), tls.identity()?.as_ref())?;
+                let name = tls.server_name.unwrap_or_else(|| uri.authority.host.clone());
+                Some((config, name))
+            }
+        };
+        Ok(Self { uri, tls })
+    }
+
+    /// Opens the connection: over TLS with this library's configuration
+    /// for `amqps://` (lapin's own would trust other CAs, and verify the
+    /// URL's host only).
+    async fn connect(self, properties: ConnectionProperties) -> lapin::Result<Connection> {
+        let Some((config, server_name)) = self.tls else {
+            return Connection::connect_uri(self.uri, properties).await;
+        };
+        use lapin::tcp::AMQPUriTcpExt;
+        let connector = lapin::tcp::RustlsConnector::from(config);
+        let runtime = lapin::runtime::default_runtime()?;
+        Connection::connector(
+            self.uri,
+            runtime,
+            async move |uri, runtime| {
+                // The TCP connection as for amqp://, then the handshake.
+                let mut plain = uri;
+                plain.scheme = lapin::uri::AMQPScheme::AMQP;
+                let stream = plain.connect_async(&runtime).await?;
+                Ok(stream.into_rustls(&connector, &server_name).await?)
+            },
+            properties,
+        )
+        .await
+    }
+}
+
+/// Opens (and closes) a TCP connection to the broker `uri` names.
+async fn reach(uri: &lapin::uri::AMQPUri) -> std::result::Result<(), String> {
     let address = (uri.authority.host.as_str(), uri.authority.port);
     tokio::net::TcpStream::connect(address)
         .await

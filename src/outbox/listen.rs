@@ -8,12 +8,37 @@ use crate::backoff::Backoff;
 /// The channel a commit that staged outbox rows notifies (migration 3).
 pub const CHANNEL: &str = "inbox_outbox";
 
+/// Where the `LISTEN` connection goes: the database's connection settings
+/// and its TLS, as the pool's.
+#[derive(Clone)]
+pub struct ListenTo {
+    config: tokio_postgres::Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
+}
+
+impl ListenTo {
+    /// The database `settings` name, reached as the pool reaches it.
+    pub fn of(settings: &crate::Settings) -> crate::Result<Self> {
+        Ok(Self {
+            config: settings.pg_config()?,
+            tls: settings.pg_tls()?,
+        })
+    }
+}
+
+impl std::fmt::Debug for ListenTo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the configuration: it holds the password.
+        f.debug_struct("ListenTo").finish_non_exhaustive()
+    }
+}
+
 /// Listens on [`CHANNEL`] over a connection of its own (not the pool's:
 /// it waits for notifications all along) and calls `wake` for each, until
 /// `stop` resolves. A lost connection is opened again with a growing pause;
 /// the dispatcher's poll covers the gap.
 pub async fn listen(
-    config: tokio_postgres::Config,
+    to: ListenTo,
     wake: impl Fn() + Send + 'static,
     stop: impl std::future::Future<Output = ()> + Send,
 ) {
@@ -21,7 +46,7 @@ pub async fn listen(
     let listening = async {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
         loop {
-            match config.connect(tokio_postgres::NoTls).await {
+            match to.config.connect(to.tls.clone()).await {
                 Ok((client, mut connection)) => {
                     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
                     // The LISTEN's answer comes through the connection,

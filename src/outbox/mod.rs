@@ -36,7 +36,7 @@ mod sink;
 pub use admin::retry_dead;
 pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, backlog};
 pub use dispatch::{DispatchReport, dispatch, drain};
-pub use listen::{CHANNEL, listen};
+pub use listen::{CHANNEL, ListenTo, listen};
 pub use sink::Sink;
 
 /// A message on its way out: staged by a unit of work until its commit,

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::tls::PgTls;
 use super::{DatabaseSettings, Settings};
 use crate::error::{Error, Result};
 
@@ -45,12 +46,22 @@ impl Settings {
     /// The PostgreSQL connection settings: `database.url` with
     /// `database.connect_timeout` and, for every session,
     /// `database.lock_timeout` applied.
+    ///
+    /// libpq's TLS parameters are read apart (tokio-postgres knows none
+    /// but `sslmode`): the configuration requires TLS for `require` and the
+    /// `verify-*` modes, and [`Settings::pg_tls`] says what is verified.
+    /// `database.password` or `database.password_file` replace the URL's
+    /// password.
     pub fn pg_config(&self) -> Result<tokio_postgres::Config> {
         let db = &self.database;
-        let mut config: tokio_postgres::Config = db
-            .url
+        let (url, tls) = PgTls::split(&db.url)?;
+        let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| Error::setting("database.url", format!("not a PostgreSQL URL: {e}")))?;
+        config.ssl_mode(tls.wire_mode());
+        if let Some(password) = db.secret_password()? {
+            config.password(password);
+        }
         config.connect_timeout(db.connect_timeout);
         // A peer that vanished without closing: keepalives find an idle
         // connection dead within about 30 s, and unacknowledged writes fail
@@ -80,11 +91,28 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// The TLS connector for every PostgreSQL connection (the pool, the
+    /// outbox's `LISTEN`, migrations): rustls, verifying what `sslmode`
+    /// says, with the CA of `sslrootcert` (or the system's) and the client
+    /// certificate of `sslcert` and `sslkey`. Reads those files now: an
+    /// error names the parameter and the path.
+    #[doc(hidden)] // The runtime's and the tools' own connections.
+    pub fn pg_tls(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
+        let (_, tls) = PgTls::split(&self.database.url)?;
+        let config = crate::tls::client_config(&tls.verify(), tls.identity()?.as_ref())?;
+        Ok(tokio_postgres_rustls::MakeRustlsConnect::new(
+            std::sync::Arc::unwrap_or_clone(config),
+        ))
+    }
+}
+
 impl DatabaseSettings {
     /// The database `url` names, if it names one (PostgreSQL's default is
     /// the user's name) and reads as a PostgreSQL URL.
     pub fn dbname(&self) -> Option<String> {
-        let config: tokio_postgres::Config = self.url.parse().ok()?;
+        let (url, _) = PgTls::split(&self.url).ok()?;
+        let config: tokio_postgres::Config = url.parse().ok()?;
         config.get_dbname().map(str::to_owned)
     }
 
@@ -95,7 +123,9 @@ impl DatabaseSettings {
     pub fn set_dbname(&mut self, name: &str) -> Result<()> {
         let not_a_url =
             |e: tokio_postgres::Error| Error::setting("database.url", format!("not a PostgreSQL URL: {e}"));
-        self.url.parse::<tokio_postgres::Config>().map_err(not_a_url)?;
+        let parse =
+            |url: &str| -> Result<tokio_postgres::Config> { PgTls::split(url)?.0.parse().map_err(not_a_url) };
+        parse(&self.url)?;
         let renamed = match self.url.split_once("://") {
             Some((scheme, rest)) => {
                 // The authority ends at the path, the query or the fragment;
@@ -111,7 +141,7 @@ impl DatabaseSettings {
                 format!("{} dbname='{quoted}'", self.url.trim_end())
             }
         };
-        let config: tokio_postgres::Config = renamed.parse().map_err(not_a_url)?;
+        let config = parse(&renamed)?;
         if config.get_dbname() != Some(name) {
             return Err(Error::setting(
                 "database.url",
@@ -164,17 +194,36 @@ pub(crate) fn redact(url: &str) -> String {
     redact_options(url)
 }
 
-/// `password=...` (a `key=value` connection string, or a URL's query)
-/// with the value replaced by `***`.
+/// `password=...` (a `key=value` connection string, spaces around `=`
+/// allowed, or a URL's query) with the value replaced by `***`, quoted or
+/// not.
 fn redact_options(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
-    while let Some(at) = rest.find("password=") {
-        let value = at + "password=".len();
-        out.push_str(&rest[..value]);
+    while let Some(at) = rest.find("password") {
+        let after = &rest[at + "password".len()..];
+        let Some(value) = after.trim_start().strip_prefix('=') else {
+            out.push_str(&rest[..rest.len() - after.len()]);
+            rest = after;
+            continue;
+        };
+        let value = value.trim_start();
+        out.push_str(&rest[..rest.len() - value.len()]);
         out.push_str("***");
-        let end = rest[value..].find([' ', '&']).map_or(rest.len(), |e| value + e);
-        rest = &rest[end..];
+        let end = match value.strip_prefix('\'') {
+            // A quoted value ends at the first quote that no `\` escapes.
+            Some(quoted) => {
+                let mut escaped = false;
+                let close = quoted.char_indices().find(|&(_, c)| {
+                    let closes = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    closes
+                });
+                close.map_or(value.len(), |(i, _)| i + 2)
+            }
+            None => value.find([' ', '&']).unwrap_or(value.len()),
+        };
+        rest = &value[end..];
     }
     out.push_str(rest);
     out

@@ -20,9 +20,11 @@ mod connection;
 mod load;
 #[cfg(test)]
 mod tests;
+mod tls;
 mod validate;
 
 pub(crate) use connection::{broker_endpoint, redact};
+pub(crate) use tls::{BrokerTls, without_amqp_tls_params};
 pub use validate::ValidSettings;
 pub(crate) use validate::{MAX_DELIVERY_LIMIT, no_broker};
 
@@ -99,8 +101,38 @@ pub struct MessageBusSettings {
     ///
     /// `amqp_url`, the one-broker spelling of earlier versions, is still
     /// read (with a WARN naming this key) where `amqp_urls` is not set.
+    ///
+    /// `amqps://` connects over TLS and verifies the broker: its
+    /// certificate chain up to the system's CAs (or `cacertfile`), and its
+    /// name. A URL may carry the TLS query parameters of RabbitMQ's URI
+    /// spec: `cacertfile`, `certfile`, `keyfile` (a client certificate,
+    /// unencrypted PEM) and `server_name_indication`; they win over the
+    /// `tls_*` settings below. `auth_mechanism=external` logs in with the
+    /// client certificate (RabbitMQ's `rabbitmq_auth_mechanism_ssl`).
     #[serde(deserialize_with = "one_or_many")]
     pub amqp_urls: Vec<String>,
+    /// `password`: the brokers' password, replacing the one in
+    /// `amqp_urls` (for example from `INBOX__MESSAGE_BUS__PASSWORD`).
+    /// Never logged. Default unset.
+    pub password: Option<String>,
+    /// `password_file`: a file holding the brokers' password (a mounted
+    /// secret; a trailing newline is dropped), replacing the one in
+    /// `amqp_urls`. Not with `password`. Default unset.
+    pub password_file: Option<String>,
+    /// `tls_ca_file`: for `amqps://`, the PEM file of the CA to trust
+    /// instead of the system's (`cacertfile` in a URL wins). Default unset.
+    pub tls_ca_file: Option<String>,
+    /// `tls_cert_file`: for `amqps://`, a PEM client certificate to present
+    /// (`certfile` in a URL wins). Default unset.
+    pub tls_cert_file: Option<String>,
+    /// `tls_key_file`: its unencrypted PEM key (`keyfile` in a URL wins).
+    /// Default unset.
+    pub tls_key_file: Option<String>,
+    /// `tls_server_name`: for `amqps://`, the name to verify the broker's
+    /// certificate against (and to send as SNI) instead of the URL's host,
+    /// as when the broker is reached through an IP address or a tunnel
+    /// (`server_name_indication` in a URL wins). Default unset.
+    pub tls_server_name: Option<String>,
     /// `exchange`: where [publishing](crate::AmqpPublisher) sends events.
     /// Default `""`, the default exchange, where the routing key is the queue name.
     pub exchange: String,
@@ -143,6 +175,12 @@ impl Default for MessageBusSettings {
             provider: Provider::Rabbitmq,
             wire: Wire::Inbox,
             amqp_urls: vec![DEFAULT_AMQP_URL.into()],
+            password: None,
+            password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_server_name: None,
             exchange: String::new(),
             enable_inbox: None,
             enable_outbox: None,
@@ -162,6 +200,12 @@ impl std::fmt::Debug for MessageBusSettings {
                 "amqp_urls",
                 &self.amqp_urls.iter().map(|url| redact(url)).collect::<Vec<_>>(),
             )
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_file", &self.password_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .field("tls_server_name", &self.tls_server_name)
             .field("exchange", &self.exchange)
             .field("enable_inbox", &self.enable_inbox)
             .field("enable_outbox", &self.enable_outbox)
@@ -185,7 +229,21 @@ pub struct DatabaseSettings {
     /// `name`, a database name that replaced the one in `url` in earlier
     /// versions, is still read (with a WARN naming this key): it is written
     /// into `url` as the settings load.
+    ///
+    /// TLS is set with libpq's parameters, in the query of a URL or as
+    /// `key=value`: `sslmode` (`disable`, `prefer`, `require`, `verify-ca`
+    /// or `verify-full`; default `prefer`, as libpq's), `sslrootcert` (the
+    /// PEM file of a private CA; `system` or none: the system's CAs),
+    /// `sslcert` and `sslkey` (a client certificate, unencrypted PEM).
     pub url: String,
+    /// `password`: the database password, replacing the one in `url` (for
+    /// example from `INBOX__DATABASE__PASSWORD`). Never logged. Default
+    /// unset.
+    pub password: Option<String>,
+    /// `password_file`: a file holding the database password (a mounted
+    /// secret; a trailing newline is dropped), replacing the one in `url`.
+    /// Not with `password`. Default unset.
+    pub password_file: Option<String>,
     /// `pool_size`: connections in the inbox pool. Each message in flight
     /// holds one, so keep it at least the sum of the queues' `prefetch`.
     /// Default 20.
@@ -228,6 +286,8 @@ impl std::fmt::Debug for DatabaseSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DatabaseSettings")
             .field("url", &redact(&self.url))
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_file", &self.password_file)
             .field("pool_size", &self.pool_size)
             .field("run_migrations", &self.run_migrations)
             .field("lock_timeout", &self.lock_timeout)
@@ -242,6 +302,8 @@ impl Default for DatabaseSettings {
     fn default() -> Self {
         Self {
             url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            password: None,
+            password_file: None,
             pool_size: 20,
             run_migrations: true,
             lock_timeout: Duration::from_secs(5),

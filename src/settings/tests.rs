@@ -453,3 +453,234 @@ fn lock_timeout_joins_the_urls_own_session_options() {
         )
     );
 }
+
+#[test]
+fn libpq_tls_parameters_are_read_from_a_url_and_from_key_value() {
+    use super::tls::{PgTls, SslMode};
+    let (rest, tls) = PgTls::split(
+        "postgres://app@db.example.com:5432/orders?sslmode=verify-full&application_name=a\
+         &sslrootcert=/etc/ca%20dir/ca.pem&sslcert=/c.pem&sslkey=/c.key",
+    )
+    .unwrap();
+    assert_eq!(
+        rest,
+        "postgres://app@db.example.com:5432/orders?application_name=a"
+    );
+    assert_eq!(tls.mode, SslMode::VerifyFull);
+    assert_eq!(tls.root_cert.as_deref(), Some("/etc/ca dir/ca.pem"));
+    assert_eq!(
+        (tls.cert.as_deref(), tls.key.as_deref()),
+        (Some("/c.pem"), Some("/c.key"))
+    );
+
+    let unbalanced = PgTls::split("host=db password='open sslmode=verify-ca");
+    assert!(unbalanced.is_err(), "unbalanced quotes are refused");
+    let (rest, tls) = PgTls::split(
+        "host=db user=app password='a b\\'c' sslmode = verify-ca sslrootcert='/my ca.pem' dbname=orders",
+    )
+    .unwrap();
+    assert_eq!(rest, "host='db' user='app' password='a b\\'c' dbname='orders'");
+    assert_eq!(tls.mode, SslMode::VerifyCa);
+    assert_eq!(tls.root_cert.as_deref(), Some("/my ca.pem"));
+    let config: tokio_postgres::Config = rest.parse().unwrap();
+    assert_eq!(config.get_password(), Some(&b"a b'c"[..]));
+
+    // No sslmode: libpq's default, prefer.
+    let (rest, tls) = PgTls::split("postgres://h/db").unwrap();
+    assert_eq!((rest.as_str(), tls.mode), ("postgres://h/db", SslMode::Prefer));
+    let error = PgTls::split("postgres://h/db?sslmode=allow")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("database.url") && error.contains("allow"),
+        "{error}"
+    );
+}
+
+#[test]
+fn sslmode_decides_what_is_required_and_what_is_verified() {
+    use crate::tls::{Roots, Verify};
+    use tokio_postgres::config::SslMode as Wire;
+    let settings = |url: &str| {
+        let mut settings = Settings::default();
+        settings.database.url = url.into();
+        settings
+    };
+    let wire = |url: &str| settings(url).pg_config().unwrap().get_ssl_mode();
+    assert_eq!(wire("postgres://h/db?sslmode=disable"), Wire::Disable);
+    assert_eq!(wire("postgres://h/db"), Wire::Prefer);
+    assert_eq!(wire("postgres://h/db?sslmode=require"), Wire::Require);
+    assert_eq!(wire("postgres://h/db?sslmode=verify-ca"), Wire::Require);
+    assert_eq!(
+        wire("postgres://h/db?sslmode=verify-full&sslrootcert=/ca.pem"),
+        Wire::Require
+    );
+
+    let verify = |url: &str| super::tls::PgTls::split(url).unwrap().1.verify();
+    let file = |path: &str| Roots::File {
+        path: path.into(),
+        setting: "database.url (sslrootcert)".into(),
+    };
+    assert_eq!(verify("postgres://h/db?sslmode=prefer"), Verify::Nothing);
+    assert_eq!(verify("postgres://h/db?sslmode=require"), Verify::Nothing);
+    // libpq: require with a root certificate verifies the chain.
+    assert_eq!(
+        verify("postgres://h/db?sslmode=require&sslrootcert=/ca.pem"),
+        Verify::ChainOnly(file("/ca.pem"))
+    );
+    assert_eq!(
+        verify("postgres://h/db?sslmode=verify-ca"),
+        Verify::ChainOnly(Roots::System)
+    );
+    assert_eq!(
+        verify("postgres://h/db?sslmode=verify-full&sslrootcert=system"),
+        Verify::Full(Roots::System)
+    );
+    assert_eq!(
+        verify("postgres://h/db?sslmode=verify-full&sslrootcert=/ca.pem"),
+        Verify::Full(file("/ca.pem"))
+    );
+    // Renaming the database keeps the TLS parameters.
+    let mut db = settings("postgres://h/db?sslmode=verify-full&sslrootcert=/ca.pem").database;
+    db.set_dbname("other").unwrap();
+    assert_eq!(
+        db.url,
+        "postgres://h/other?sslmode=verify-full&sslrootcert=/ca.pem"
+    );
+    assert_eq!(db.dbname().as_deref(), Some("other"));
+}
+
+#[test]
+fn a_missing_ca_file_fails_naming_the_parameter_and_the_path() {
+    let mut settings = Settings::default();
+    settings.database.url = "postgres://h/db?sslmode=verify-full&sslrootcert=/nowhere/ca.pem".into();
+    let error = settings.pg_tls().map(drop).unwrap_err().to_string();
+    assert!(
+        error.contains("sslrootcert") && error.contains("/nowhere/ca.pem"),
+        "{error}"
+    );
+    settings.database.url = "postgres://h/db?sslcert=/c.pem".into();
+    let error = settings.pg_tls().map(drop).unwrap_err().to_string();
+    assert!(error.contains("sslkey"), "{error}");
+}
+
+#[test]
+fn the_tls_parameters_of_rabbitmqs_uri_spec_win_over_the_settings() {
+    use super::{BrokerTls, without_amqp_tls_params};
+    use crate::tls::{Roots, Verify};
+    let mut bus = MessageBusSettings {
+        tls_ca_file: Some("/settings/ca.pem".into()),
+        tls_server_name: Some("rabbit.internal".into()),
+        ..MessageBusSettings::default()
+    };
+    let url = "amqps://u:p@10.0.0.5:5671/%2f?heartbeat=10&cacertfile=%2Furl%2Fca.pem&certfile=/c.pem&keyfile=/c.key";
+    let tls = BrokerTls::of(url, 0, &bus).unwrap();
+    assert_eq!(
+        tls.verify(),
+        Verify::Full(Roots::File {
+            path: "/url/ca.pem".into(),
+            setting: "message_bus.amqp_urls[0] (cacertfile)".into()
+        })
+    );
+    assert_eq!(tls.server_name.as_deref(), Some("rabbit.internal"));
+    assert!(tls.identity().unwrap().is_some());
+    assert_eq!(
+        without_amqp_tls_params(url),
+        "amqps://u:p@10.0.0.5:5671/%2f?heartbeat=10"
+    );
+    let tls = BrokerTls::of("amqps://h?server_name_indication=rabbit-1.internal", 1, &bus).unwrap();
+    assert_eq!(tls.server_name.as_deref(), Some("rabbit-1.internal"));
+    let error = BrokerTls::of("amqps://h?verify=verify_none", 0, &bus)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("verify_none") && error.contains("amqp_urls[0]"),
+        "{error}"
+    );
+    bus.tls_ca_file = None;
+    bus.tls_cert_file = Some("/c.pem".into());
+    let error = BrokerTls::of("amqps://h", 0, &bus)
+        .unwrap()
+        .identity()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("tls_cert_file") && error.contains("tls_key_file"),
+        "{error}"
+    );
+}
+
+#[test]
+fn passwords_apart_from_the_urls_come_from_a_value_or_a_file_never_both() {
+    let dir = std::env::temp_dir().join(format!("inbox-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("password");
+    std::fs::write(&file, "from-file s3cret\n").unwrap();
+    let mut settings = Settings::default();
+    settings.database.url = "postgres://app:in-url@db/orders".into();
+    settings.database.password_file = Some(file.display().to_string());
+    let config = settings.pg_config().unwrap();
+    assert_eq!(config.get_password(), Some(&b"from-file s3cret"[..]));
+    settings.database.password = Some("from-env".into());
+    let error = settings.pg_config().unwrap_err().to_string();
+    assert!(
+        error.contains("database.password") && error.contains("database.password_file"),
+        "{error}"
+    );
+    assert!(
+        !error.contains("s3cret") && !error.contains("from-env"),
+        "{error}"
+    );
+    settings.database.password_file = None;
+    assert_eq!(
+        settings.pg_config().unwrap().get_password(),
+        Some(&b"from-env"[..])
+    );
+
+    settings.message_bus.password = Some("bus-s3cret".into());
+    settings.message_bus.password_file = Some("/run/secrets/amqp".into());
+    let shown = format!("{settings:?}");
+    assert!(
+        !shown.contains("s3cret") && !shown.contains("from-env"),
+        "{shown}"
+    );
+    assert!(shown.contains("/run/secrets/amqp"), "{shown}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn quoted_and_spaced_passwords_are_redacted_too() {
+    assert_eq!(
+        redact("host=db password = 'a s3cret \\' here' dbname=orders"),
+        "host=db password = *** dbname=orders"
+    );
+    assert_eq!(redact("host=db sslpassword=s3cret"), "host=db sslpassword=***");
+}
+
+#[test]
+fn remote_connections_that_verify_nothing_are_named_at_start() {
+    let mut settings = Settings::default();
+    assert!(
+        settings.insecure_connections().is_empty(),
+        "loopback is not warned about"
+    );
+    settings.database.url = "postgres://app:s3cret@db.example.com/orders".into();
+    settings.message_bus.amqp_urls = vec![
+        "amqp://u:s3cret@rabbit.example.com".into(),
+        "amqps://u:s3cret@rabbit.example.com".into(),
+    ];
+    let said = settings.insecure_connections();
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(
+        said[0].contains("sslmode=prefer") && said[0].contains("verify-full"),
+        "{said:?}"
+    );
+    assert!(
+        said[1].contains("amqp://") && said[1].contains("amqps://"),
+        "{said:?}"
+    );
+    assert!(!format!("{said:?}").contains("s3cret"));
+    settings.database.url = "postgres://db.example.com/orders?sslmode=verify-full".into();
+    settings.message_bus.amqp_urls.truncate(0);
+    assert!(settings.insecure_connections().is_empty());
+}

@@ -44,3 +44,5 @@ mod edges;
 mod set_aside;
 // MassTransit on the wire: its envelope consumed once, its error and skipped queues and headers.
 mod masstransit;
+// TLS to both servers, verified (tests/tls_servers.sh).
+mod tls;
