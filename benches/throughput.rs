@@ -4,7 +4,7 @@
 //! ```text
 //! cargo bench --bench throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
-//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_on_batched,inbox_on_forward,
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_default,inbox_on_batched,inbox_on_forward,
 //!                  inbox_on_forward_direct,handwritten_forward,two_instances]
 //!     [--repeat 1] [--metrics]
 //! cargo bench --bench throughput -- --outbox 50000
@@ -20,7 +20,10 @@
 //!   check-in updates, COMMIT, ack.
 //! - `inbox_off`: the runtime with the inbox off (duplicates run twice, so
 //!   `effects_ok=false` whenever there are duplicates).
-//! - `inbox_on`: the runtime.
+//! - `inbox_on`: the runtime, one message per transaction (`batch_size = 1`).
+//! - `inbox_default`: the runtime with the queue's default settings: group
+//!   commit (`batch_size` 8, `concurrent_batches` 1), the handlers' set-based
+//!   `handle_batch`.
 //! - `inbox_on_batched`: the runtime with `batch_size` = `--batch-size`
 //!   (default 8): deliveries that are ready together share a transaction,
 //!   and the handlers write each batch with one set-based statement each
@@ -106,6 +109,7 @@ enum Scenario {
     Handwritten,
     InboxOff,
     InboxOn,
+    InboxDefault,
     InboxOnBatched,
     InboxOnForward,
     InboxOnForwardDirect,
@@ -120,6 +124,7 @@ impl Scenario {
             Scenario::Handwritten => "handwritten",
             Scenario::InboxOff => "inbox_off",
             Scenario::InboxOn => "inbox_on",
+            Scenario::InboxDefault => "inbox_default",
             Scenario::InboxOnBatched => "inbox_on_batched",
             Scenario::InboxOnForward => "inbox_on_forward",
             Scenario::InboxOnForwardDirect => "inbox_on_forward_direct",
@@ -138,6 +143,7 @@ impl FromStr for Scenario {
             Scenario::Handwritten,
             Scenario::InboxOff,
             Scenario::InboxOn,
+            Scenario::InboxDefault,
             Scenario::InboxOnBatched,
             Scenario::InboxOnForward,
             Scenario::InboxOnForwardDirect,
@@ -148,7 +154,7 @@ impl FromStr for Scenario {
         .find(|s| s.name() == name)
         .ok_or_else(|| {
             format!(
-                "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_on_batched, \
+                "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_default, inbox_on_batched, \
                  inbox_on_forward, inbox_on_forward_direct, handwritten_forward, two_instances)"
             )
         })
@@ -229,7 +235,7 @@ async fn run() -> Result<()> {
     let concurrent_batches: u16 =
         common::parsed_arg("--concurrent-batches", (prefetch / batch_size.max(1)).max(1));
     let scenarios: Vec<Scenario> = common::arg("--scenarios")
-        .unwrap_or_else(|| "raw,handwritten,inbox_off,inbox_on,inbox_on_batched".into())
+        .unwrap_or_else(|| "raw,handwritten,inbox_off,inbox_on,inbox_default,inbox_on_batched".into())
         .split(',')
         .map(str::parse)
         .collect::<std::result::Result<_, _>>()
@@ -275,6 +281,10 @@ async fn run() -> Result<()> {
 
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
+            if scenario != Scenario::InboxDefault {
+                // One message per transaction, unless the scenario says.
+                for_runtime.queues[0].batch_size = 1;
+            }
             let steal_before = cpu_steal();
             let cpu_before = CpuSplit::sample();
             let measured = match scenario {
@@ -295,7 +305,7 @@ async fn run() -> Result<()> {
                     Measured { seconds, ..measured }
                 }
                 Scenario::InboxOff => runtime(for_runtime, false, count, 1).await?,
-                Scenario::InboxOn => runtime(for_runtime, true, count, 1).await?,
+                Scenario::InboxOn | Scenario::InboxDefault => runtime(for_runtime, true, count, 1).await?,
                 Scenario::TwoInstances => runtime(for_runtime, true, count, 2).await?,
                 Scenario::InboxOnBatched => {
                     for_runtime.queues[0].batch_size = batch_size;

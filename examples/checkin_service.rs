@@ -13,9 +13,10 @@
 //! one `DATABASE_URL` names) and deletes the queue and the queues kept
 //! beside it, then exits: what the quickstart created, gone.
 //!
-//! With `--batch-size N` above 1 the queue runs batches of up to N
-//! deliveries (`queues[].batch_size`), which the handlers write with one
-//! set-based statement each.
+//! The deliveries that are ready together commit together, in batches of
+//! up to 8 (group commit, `queues[].batch_size`), which the handlers write
+//! with one set-based statement each; `--batch-size N` sets the size, and
+//! `--batch-size 1` processes each message in its own transaction.
 //!
 //! `--forward-to QUEUE` declares QUEUE (durable, quorum) and, for every
 //! check-in it records, stages one `CheckinRecorded` follow-up for QUEUE

@@ -1,12 +1,12 @@
 //! The batch path of the [`DedupActor`](crate::DedupActor): several
 //! messages in one transaction.
 //!
-//! One statement claims every message of the batch; after a savepoint, the
-//! handlers run on the whole batch (`HandleBatch`) and every message is
-//! recorded; one commit. If that fails, the batch rolls back to the
-//! savepoint and runs each message alone after a savepoint of its own: a
-//! failing message is undone alone and takes its failure path by itself,
-//! the others commit.
+//! One statement claims every message of the batch; the handlers run on
+//! the whole batch (`HandleBatch`) and every message is recorded; one
+//! commit. If the handlers fail, the transaction is rolled back, the batch
+//! claimed again in a new one, and each message run alone after a
+//! savepoint of its own: a failing message is undone alone and takes its
+//! failure path by itself, the others commit.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use inbox::internal::{Abandoned, Claim, Envelope, InboxKey, Outcome, Stage, UnitOfWork};
 use tokio::sync::Semaphore;
 
-use crate::dedup::{DeliverBatch, Route, Work, give_up, key};
+use crate::dedup::{DeliverBatch, Route, Work, give_up, key, roll_back};
 use crate::handler::Handled;
 use crate::stats::Counter;
 
@@ -23,8 +23,8 @@ enum WholeBatch {
     /// Every handler succeeded on the whole batch, and every message is
     /// recorded: ready to commit.
     Done(UnitOfWork),
-    /// Something failed and the transaction can go on: roll back to the
-    /// savepoint and run the messages one at a time.
+    /// Something failed and the transaction can be rolled back: run the
+    /// messages one at a time.
     Failed(UnitOfWork),
     /// The transaction is lost (a handler panicked, its actor vanished):
     /// every message starts over.
@@ -106,39 +106,21 @@ impl Work {
         outcomes: &mut [Option<Outcome>],
         lane: &Semaphore,
     ) -> Result<UnitOfWork, Abandoned> {
-        let mut uow = self.begin().await?;
-        let claiming = std::time::Instant::now();
-        let claims = self.store.try_begin_batch(&mut uow, keys).await;
-        self.claim_wait.record(claiming.elapsed().as_secs_f64());
-        let claims = match claims {
-            Ok(claims) => claims,
-            Err(e) => {
-                return Err(give_up(uow, Stage::InboxClaim, &e).await);
-            }
-        };
-        // Held while the handlers run, released before the commit. The
-        // claim may run outside: it locks only inbox rows, which no handler
-        // waits for.
+        // The claim may run outside the lane: it locks only inbox rows,
+        // which no handler waits for.
+        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
+        if claimed.is_empty() {
+            return Ok(uow);
+        }
+        // Held while the handlers run, released before the commit.
         let _running = lane
             .acquire()
             .await
             .map_err(|e| Abandoned::new(Stage::BatchTurn, e))?;
-        // Positions in `members` and `keys` of the messages to process.
-        let mut claimed = Vec::with_capacity(members.len());
-        for (position, claim) in claims.into_iter().enumerate() {
-            match claim {
-                Claim::Proceed => claimed.push(position),
-                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
-            }
-        }
-        if claimed.is_empty() {
-            return Ok(uow);
-        }
-
-        let uow = uow
-            .savepoint()
-            .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-        let uow = match self
+        // The whole batch first, without a savepoint: nearly every batch
+        // commits whole, and under a savepoint each of its writes would be
+        // a subtransaction's, which costs PostgreSQL more.
+        let failed = match self
             .run_whole_batch(envelopes, members, keys, &claimed, uow)
             .await
         {
@@ -148,18 +130,45 @@ impl Work {
                 }
                 return Ok(uow);
             }
-            WholeBatch::Failed(failed) => {
-                self.stats.add(Counter::BatchesSplit);
-                failed
-                    .rollback_to_savepoint()
-                    .await
-                    .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?
-            }
+            WholeBatch::Failed(failed) => failed,
             WholeBatch::Lost(abandoned) => return Err(abandoned),
         };
-
+        // Undone whole, claims included, and claimed again in a new
+        // transaction (meanwhile another instance may have completed a
+        // member: it is a duplicate now), then one message at a time.
+        self.stats.add(Counter::BatchesSplit);
+        roll_back(failed).await?;
+        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
         self.run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
             .await
+    }
+
+    /// Opens the batch's unit of work and claims its members in one
+    /// statement; writes `Duplicate` for those already processed. Returns
+    /// the unit of work and the positions (in `members` and `keys`) of the
+    /// messages to process.
+    async fn claim(
+        &self,
+        members: &[usize],
+        keys: &[InboxKey],
+        outcomes: &mut [Option<Outcome>],
+    ) -> Result<(UnitOfWork, Vec<usize>), Abandoned> {
+        let mut uow = self.begin().await?;
+        let claiming = std::time::Instant::now();
+        let claims = self.store.try_begin_batch(&mut uow, keys).await;
+        self.claim_wait.record(claiming.elapsed().as_secs_f64());
+        let claims = match claims {
+            Ok(claims) => claims,
+            Err(e) => return Err(give_up(uow, Stage::InboxClaim, &e).await),
+        };
+        let mut claimed = Vec::with_capacity(members.len());
+        for (position, claim) in claims.into_iter().enumerate() {
+            match claim {
+                Claim::Proceed => claimed.push(position),
+                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
+            }
+        }
+        Ok((uow, claimed))
     }
 
     /// After the whole batch failed: runs each claimed message alone, after

@@ -176,7 +176,7 @@ impl ConsumerActor {
             counts_redeliveries: !link.broker_limits_deliveries,
             delivery_limit: queue.delivery_limit,
         };
-        let size = usize::from(queue.batch_size);
+        let size = usize::from(queue.batch_limit());
         Self {
             settler: Arc::new(settler),
             settings: settings.clone(),
@@ -218,7 +218,8 @@ impl ConsumerActor {
             let batch: Vec<Pending> = self.batching.buffer.drain(..take).collect();
             self.batching.in_flight += 1;
             let settler = Arc::clone(&self.settler);
-            let work = Arc::clone(&settler).settle_batch(batch);
+            // Boxed where it is made, as in `spawn_settling`.
+            let work = Box::pin(Arc::clone(&settler).settle_batch(batch));
             ctx.spawn(work.into_actor(self).map(move |leavers, actor, ctx| {
                 // The batch's slot is free once its completed members are
                 // acked; those that failed settle on their own, each
@@ -228,15 +229,22 @@ impl ConsumerActor {
                     actor.message_done(ctx);
                 }
                 for leaver in leavers {
-                    let work = Arc::clone(&settler).settle_leaver(leaver);
-                    ctx.spawn(
-                        work.into_actor(actor)
-                            .map(|(), actor, ctx| actor.message_done(ctx)),
-                    );
+                    actor.spawn_settling(Arc::clone(&settler).settle_leaver(leaver), ctx);
                 }
                 actor.dispatch_batches(ctx);
             }));
         }
+    }
+
+    /// Runs `work`, one message's settling, and counts the message done
+    /// after it. Boxed where it is made: a settling future holds every
+    /// step's state (some 10 KiB), which each wrapper would copy again.
+    fn spawn_settling(&mut self, work: impl Future<Output = ()> + 'static, ctx: &mut Context<Self>) {
+        ctx.spawn(
+            Box::pin(work)
+                .into_actor(self)
+                .map(|(), actor, ctx| actor.message_done(ctx)),
+        );
     }
 
     fn message_done(&mut self, ctx: &mut Context<Self>) {
@@ -303,19 +311,13 @@ impl StreamHandler<Consumed> for ConsumerActor {
         let arrived = Instant::now();
         if self.batching.size == 1 {
             let work = Arc::clone(&self.settler).settle(delivery, ticket, arrived);
-            ctx.spawn(
-                work.into_actor(self)
-                    .map(|(), actor, ctx| actor.message_done(ctx)),
-            );
+            self.spawn_settling(work, ctx);
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
             Ok(pending) if self.settler.settles_alone(&pending) => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
-                ctx.spawn(
-                    work.into_actor(self)
-                        .map(|(), actor, ctx| actor.message_done(ctx)),
-                );
+                self.spawn_settling(work, ctx);
             }
             Ok(pending) => {
                 self.batching.buffer.push(pending);
@@ -327,10 +329,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             }
             Err(malformed) => {
                 let work = Arc::clone(&self.settler).set_aside(malformed);
-                ctx.spawn(
-                    work.into_actor(self)
-                        .map(|(), actor, ctx| actor.message_done(ctx)),
-                );
+                self.spawn_settling(work, ctx);
             }
         }
     }

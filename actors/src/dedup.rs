@@ -9,10 +9,10 @@
 //!
 //! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims
 //! the batch's messages in one go, runs the handlers on the whole batch
-//! ([`HandleBatch`]) after a savepoint, commits once, and replies with an
-//! [`Outcome`] per message. If the handlers fail on the batch, it rolls back
-//! to that savepoint and runs each message's handlers again on their own,
-//! each after a savepoint of its own: a failure rolls back that message only.
+//! ([`HandleBatch`]), commits once, and replies with an [`Outcome`] per
+//! message. If the handlers fail on the batch, it rolls back, claims the
+//! batch again and runs each message's handlers on their own, each after a
+//! savepoint of its own: a failure rolls back that message only.
 //!
 //! Receives [`CountRedelivery`] (a consumer whose broker does not limit a
 //! message's deliveries): counts one, committed at once, and replies with
@@ -207,9 +207,12 @@ impl actix::Handler<Deliver> for DedupActor {
         let work = self.work(&msg.consumer);
         let span = msg.envelope.span.clone();
         let timeout = self.transaction_timeout;
+        // Boxed where it is made: the wrappers then move a pointer, not the
+        // unit of work's whole state (some 5 KiB).
+        let process = Box::pin(work.process(msg));
         Box::pin(
             async move {
-                within_timeout(timeout, work.process(msg))
+                within_timeout(timeout, process)
                     .await
                     .unwrap_or_else(Outcome::Abandoned)
             }
@@ -249,7 +252,8 @@ impl actix::Handler<DeliverBatch> for DedupActor {
         let timeout = self.transaction_timeout;
         Box::pin(
             async move {
-                let outcomes = match within_timeout(timeout, work.process_batch(msg, &lane)).await {
+                let batch = Box::pin(work.process_batch(msg, &lane));
+                let outcomes = match within_timeout(timeout, batch).await {
                     Ok(outcomes) => outcomes,
                     Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
                 };

@@ -208,7 +208,9 @@ impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
         let myself = ctx.address();
         let span = msg.envelope.span.clone();
         let timer = HandlerTimer::start(&self.duration);
-        let run = run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer);
+        // Boxed where it is made: the handlers' futures can be large, and
+        // each wrapper would copy them again.
+        let run = Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer));
         Box::pin(unless_abandoned(run, msg.abandoned).instrument(span))
     }
 }
@@ -220,7 +222,7 @@ impl<E: IntegrationEvent> actix::Handler<HandleBatch> for HandlerActor<E> {
         let handlers = Arc::clone(&self.handlers);
         let myself = ctx.address();
         let timer = HandlerTimer::start(&self.duration);
-        let run = run_handlers(handlers, msg.envelopes, msg.uow, myself, timer);
+        let run = Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself, timer));
         Box::pin(unless_abandoned(run, msg.abandoned))
     }
 }

@@ -272,7 +272,7 @@ impl Settler {
     pub(crate) async fn settle(self: Arc<Self>, delivery: Delivery, ticket: Ticket, arrived: Instant) {
         match self.prepare(delivery, ticket, arrived) {
             Ok(pending) => self.settle_prepared(pending).await,
-            Err(malformed) => self.set_aside(malformed).await,
+            Err(malformed) => Box::pin(self.set_aside(malformed)).await,
         }
     }
 
@@ -280,7 +280,7 @@ impl Settler {
     pub(crate) async fn settle_prepared(self: Arc<Self>, mut pending: Pending) {
         let known = match pending.known.take() {
             Some(known) => Some(known),
-            None if self.must_count(&pending) => self.past_delivery_limit(&pending.envelope).await,
+            None if self.must_count(&pending) => Box::pin(self.past_delivery_limit(&pending.envelope)).await,
             None => None,
         };
         self.process(pending, known).await
@@ -345,23 +345,32 @@ impl Settler {
     /// each with its outcome: they leave the batch, to be settled each on
     /// its own ([`settle_leaver`](Self::settle_leaver)), so that one
     /// member's retries and waits hold up no other message.
-    pub(crate) async fn settle_batch(self: Arc<Self>, mut batch: Vec<Pending>) -> Vec<Leaver> {
-        if batch.len() == 1
-            && let Some(alone) = batch.pop()
-        {
-            // Alone, it is cheaper without the batch's savepoint.
-            self.settle_prepared(alone).await;
-            return Vec::new();
-        }
-        let deliver = DeliverBatch {
-            consumer: Arc::clone(&self.consumer),
-            envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
-            concurrent_batches: self.concurrent_batches,
+    pub(crate) async fn settle_batch(self: Arc<Self>, batch: Vec<Pending>) -> Vec<Leaver> {
+        let outcomes = if let [alone] = batch.as_slice() {
+            // A batch of one: cheaper as a message on its own, without the
+            // batch's savepoint. Its attempt is the batch's: if it fails,
+            // it leaves, as any member does, and frees the batch's place.
+            let deliver = Deliver {
+                consumer: Arc::clone(&self.consumer),
+                envelope: Arc::clone(&alone.envelope),
+            };
+            let outcome = self
+                .dedup
+                .send(deliver)
+                .await
+                .unwrap_or_else(|e| Outcome::Abandoned(Abandoned::new(Stage::Handover, e)));
+            vec![outcome]
+        } else {
+            let deliver = DeliverBatch {
+                consumer: Arc::clone(&self.consumer),
+                envelopes: batch.iter().map(|p| Arc::clone(&p.envelope)).collect(),
+                concurrent_batches: self.concurrent_batches,
+            };
+            self.dedup.send(deliver).await.unwrap_or_else(|e| {
+                let abandoned = Abandoned::new(Stage::Handover, e);
+                vec![Outcome::Abandoned(abandoned); batch.len()]
+            })
         };
-        let outcomes = self.dedup.send(deliver).await.unwrap_or_else(|e| {
-            let abandoned = Abandoned::new(Stage::Handover, e);
-            vec![Outcome::Abandoned(abandoned); batch.len()]
-        });
         // The ones to ack go together, often as one `multiple` ack; the
         // others take their own paths.
         let (done, others): (Vec<_>, Vec<_>) = batch
@@ -481,7 +490,7 @@ impl Settler {
                         // database answers, and spend none of its attempts.
                         tracing::debug!(%reason, "database unavailable; holding the message");
                         self.count(Counter::Held);
-                        let outage_seen = self.database.wait_until_available(&reason).await;
+                        let outage_seen = Box::pin(self.database.wait_until_available(&reason)).await;
                         history.record_hold(outage_seen);
                     }
                     Action::Retry { after, failure } => {
@@ -513,7 +522,9 @@ impl Settler {
                             body,
                             envelope: Some(&envelope),
                         };
-                        self.move_to(moved, &delivery, ticket).await;
+                        // Boxed, as every path off the common one: inline,
+                        // its state would grow every message's future.
+                        Box::pin(self.move_to(moved, &delivery, ticket)).await;
                         return;
                     }
                 }

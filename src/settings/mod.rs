@@ -341,12 +341,17 @@ pub struct QueueSettings {
     /// `kind`: `quorum` or `classic`. Default `quorum`.
     #[serde(default)]
     pub kind: QueueKind,
-    /// `batch_size`: at most this many deliveries that are ready together
-    /// run in one transaction, with one commit: the handlers run on the
-    /// whole batch ([`EventHandler::handle_batch`](crate::EventHandler::handle_batch)), and if that
-    /// fails, on each message after a savepoint of its own. 1 (the default)
-    /// processes each message in its own transaction. Opt-in; at most 64
-    /// and at most `prefetch`.
+    /// `batch_size`: group commit. At most this many deliveries that are
+    /// ready together run in one transaction, with one commit: the handlers
+    /// run on the whole batch
+    /// ([`EventHandler::handle_batch`](crate::EventHandler::handle_batch)),
+    /// and if that fails, on each message after a savepoint of its own, so
+    /// that a failing message is rolled back and retried alone. A batch
+    /// never waits for more deliveries: it takes those that are ready now
+    /// (a message arriving alone is processed alone, at once), and more
+    /// gather only while another batch of the queue is running. Default 8;
+    /// 1 processes each message in its own transaction. At most 64; a batch
+    /// never holds more than `prefetch` deliveries.
     #[serde(default = "default_batch_size")]
     pub batch_size: u16,
     /// `concurrent_batches`: how many of the queue's batches may run their
@@ -355,7 +360,8 @@ pub struct QueueSettings {
     /// (set-based statements sorted by key): two batches locking shared rows
     /// in opposite orders deadlock, and PostgreSQL breaks a deadlock only
     /// after its `deadlock_timeout` (1 s by default). At most
-    /// `prefetch / batch_size`, the batches that can be in flight.
+    /// `prefetch / batch_size` (at least 1), the batches that can be in
+    /// flight.
     #[serde(default = "default_concurrent_batches")]
     pub concurrent_batches: u16,
     /// `delivery_limit`: how many times the broker may deliver a message of
@@ -395,7 +401,7 @@ fn default_delivery_limit() -> u32 {
 }
 
 fn default_batch_size() -> u16 {
-    1
+    8
 }
 
 fn default_concurrent_batches() -> u16 {
@@ -407,6 +413,13 @@ fn default_prefetch() -> u16 {
 }
 
 impl QueueSettings {
+    /// The most deliveries one of this queue's batches holds: `batch_size`,
+    /// but no more than `prefetch`, the deliveries the broker lets be in
+    /// flight. 1: each message in its own transaction.
+    pub fn batch_limit(&self) -> u16 {
+        self.batch_size.min(self.prefetch).max(1)
+    }
+
     /// A queue with default settings.
     pub fn new(name: impl Into<String>) -> Self {
         Self {

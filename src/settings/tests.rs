@@ -59,6 +59,34 @@ fn vars(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
     )
 }
 
+/// Group commit is the default, and a small prefetch needs no batch size
+/// of its own: a batch never holds more than the deliveries in flight.
+#[test]
+fn batches_are_the_default_and_never_hold_more_than_prefetch() {
+    for (prefetch, batch_size, limit, in_flight) in [
+        (16, None, 8, 2),
+        (1, None, 1, 1),
+        (4, None, 4, 1),
+        (8, Some(9), 8, 1),
+        (16, Some(1), 1, 16),
+    ] {
+        let mut text = format!("[[queues]]\nname = \"a\"\nprefetch = {prefetch}\n");
+        if let Some(size) = batch_size {
+            text.push_str(&format!("batch_size = {size}\n"));
+        }
+        let dir = temp_dir(&[("default.toml", &text)]);
+        let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
+        let queue = &settings.queues[0];
+        assert_eq!(
+            queue.batch_limit(),
+            limit,
+            "prefetch {prefetch}, batch_size {batch_size:?}"
+        );
+        assert_eq!(queue.prefetch / queue.batch_limit(), in_flight);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
 #[test]
 fn the_shipped_default_file_matches_the_built_in_defaults() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
@@ -189,10 +217,6 @@ fn invalid_queues_name_their_entry() {
         ("[databse]\nurl = \"x\"\n".to_string(), "databse"),
         (
             "[[queues]]\nname = \"a\"\nbatch_size = 0\n".to_string(),
-            "queues[0].batch_size",
-        ),
-        (
-            "[[queues]]\nname = \"a\"\nprefetch = 8\nbatch_size = 9\n".to_string(),
             "queues[0].batch_size",
         ),
         (

@@ -144,11 +144,11 @@ impl QueueSettings {
         }
         // Past 64 subtransactions PostgreSQL's snapshots overflow their
         // cache and slow every session down.
-        if !(1..=64).contains(&self.batch_size) || self.batch_size > self.prefetch {
-            return Err(Error::setting(
-                &key("batch_size"),
-                format!("must be from 1 to 64 and at most prefetch ({})", self.prefetch),
-            ));
+        // (Above prefetch it is harmless: no batch can hold more than the
+        // deliveries in flight, so a `prefetch = 1` queue runs one message
+        // per transaction whatever the default batch size.)
+        if !(1..=64).contains(&self.batch_size) {
+            return Err(Error::setting(&key("batch_size"), "must be from 1 to 64"));
         }
         if !(1..=MAX_DELIVERY_LIMIT).contains(&self.delivery_limit) {
             return Err(Error::setting(
@@ -156,7 +156,7 @@ impl QueueSettings {
                 format!("must be from 1 to {MAX_DELIVERY_LIMIT}"),
             ));
         }
-        let in_flight = (self.prefetch / self.batch_size).max(1);
+        let in_flight = (self.prefetch / self.batch_limit()).max(1);
         if !(1..=in_flight).contains(&self.concurrent_batches) {
             return Err(Error::setting(
                 &key("concurrent_batches"),

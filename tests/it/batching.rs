@@ -599,6 +599,61 @@ async fn a_member_that_keeps_failing_leaves_its_batch_and_holds_up_no_other_mess
     assert_eq!(env.ready(&env.queue).await, 0);
 }
 
+/// With the default settings a message that arrives alone is processed
+/// alone, as a batch of one: if it fails, it must leave that batch like any
+/// member, or its retries would hold the queue's batches (a partial batch
+/// waits while another is in flight) and every message after it.
+#[actix_rt::test]
+async fn a_lone_message_that_keeps_failing_holds_up_no_later_message_by_default() {
+    let env = TestEnv::new("batch_lone_leaver").await;
+    let mut settings = env.settings();
+    assert!(
+        settings.queues[0].batch_limit() > 1,
+        "group commit is the default"
+    );
+    // Retries that outlast the test: 0.2 s, 0.4 s, ... doubling.
+    settings.failure.immediate_retries = 10;
+    settings.failure.immediate_backoff = std::time::Duration::from_millis(200);
+    let handler = StuckOn {
+        key: 0,
+        stuck: Arc::new(true.into()),
+        ..StuckOn::default()
+    };
+    let runtime = Runtime::builder(settings.clone().valid())
+        .handler(handler.clone())
+        .start()
+        .await
+        .unwrap();
+    prefill_keys(&settings, [0]).await;
+    wait_until("key 0 fails and retries", || async {
+        runtime.stats().retried >= 1
+    })
+    .await;
+    // Now one at a time, so that each is ready alone and goes alone.
+    for key in 1..=20 {
+        prefill_keys(&settings, [key]).await;
+        wait_until(
+            "the later message completes while key 0 is still failing",
+            || async { env.count("counts", key).await == 1 },
+        )
+        .await;
+    }
+    assert_eq!(env.count("counts", 0).await, 0, "key 0 is still failing");
+    handler.stuck.store(false, Ordering::SeqCst);
+    wait_until("key 0 completes on its own retries", || async {
+        env.count("counts", 0).await == 1
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!((stats.delayed, stats.dead_lettered), (0, 0), "{stats:?}");
+    let counted = counts(&env, "counts").await;
+    assert_eq!(counted.len(), 21);
+    assert!(counted.values().all(|&n| n == 1), "each once: {counted:?}");
+    assert_eq!(env.ready(&env.queue).await, 0);
+}
+
 #[actix_rt::test]
 async fn a_message_back_from_a_retry_tier_is_processed_alone_not_in_a_batch() {
     use inbox::internal::fault::headers;

@@ -154,6 +154,8 @@ async fn the_metrics_count_each_outcome_by_queue_and_name_every_series() {
     let prometheus = prometheus();
     let env = TestEnv::new("metrics_outcomes").await;
     let mut settings = env.settings();
+    // A claim per message, each timed, as counted below.
+    settings.queues[0].batch_size = 1;
     settings.failure.immediate_retries = 1;
     settings.failure.immediate_backoff = Duration::from_millis(10);
     settings.failure.delays = Vec::new();
