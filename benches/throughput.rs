@@ -4,10 +4,11 @@
 //! ```text
 //! cargo bench --bench throughput -- [--count 20000] [--dup-ratio 0.2] [--prefetch 16]
 //!     [--batch-size 8] [--concurrent-batches prefetch/batch-size]
-//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_default,inbox_on_batched,inbox_on_forward,
+//!     [--scenarios raw,handwritten,inbox_off,inbox_on,inbox_default,masstransit,inbox_on_batched,inbox_on_forward,
 //!                  inbox_on_forward_direct,handwritten_forward,two_instances]
 //!     [--repeat 1] [--metrics]
 //! cargo bench --bench throughput -- --outbox 50000
+//! cargo bench --bench throughput -- --light-load 200 [--seconds 10] [--repeat 5]
 //! ```
 //!
 //! Every scenario consumes the same pre-published check-in events (a share
@@ -24,6 +25,10 @@
 //! - `inbox_default`: the runtime with the queue's default settings: group
 //!   commit (`batch_size` 8, `concurrent_batches` 1), the handlers' set-based
 //!   `handle_batch`.
+//! - `masstransit`: `inbox_on` on MassTransit's wire: the same events in
+//!   MassTransit 8's envelope, as a MassTransit producer publishes them to
+//!   the type's exchange (`Conference.Contracts:AttendeeCheckedIn`), read
+//!   as the contract's camelCase type. Its ratio is over `inbox_on`'s.
 //! - `inbox_on_batched`: the runtime with `batch_size` = `--batch-size`
 //!   (default 8): deliveries that are ready together share a transaction,
 //!   and the handlers write each batch with one set-based statement each
@@ -53,6 +58,14 @@
 //! runtime against the same N published with confirms by hand, and the
 //! time from a commit to the message's arrival at a consumer at a steady
 //! 1,000 a second.
+//!
+//! `--light-load RATE` measures latency at light load: events published at
+//! a steady RATE a second for `--seconds` while the runtime consumes them,
+//! once with one message per transaction (`batch_size = 1`) and once with
+//! the default settings (group commit), taking turns for `--repeat`
+//! rounds; it prints each one's median p50 and p99 (from a delivery's
+//! arrival to its ack: the way from the publisher to the queue is the
+//! broker's, the same for both) and their difference.
 //!
 //! `--metrics` installs the Prometheus recorder first, so that the runtime's
 //! metrics are recorded as in a service that exports them.
@@ -97,7 +110,7 @@ use inbox::internal::lapin::options::{
 };
 use inbox::internal::lapin::types::FieldTable;
 use inbox::internal::lapin::{BasicProperties, Channel, Connection, Consumer};
-use inbox::internal::{Message, QueueSettings, Settings, amqp};
+use inbox::internal::{IntegrationEvent, Message, QueueSettings, Settings, Wire, amqp};
 use inbox_actors::Runtime;
 use tokio::sync::Mutex;
 
@@ -110,6 +123,7 @@ enum Scenario {
     InboxOff,
     InboxOn,
     InboxDefault,
+    Masstransit,
     InboxOnBatched,
     InboxOnForward,
     InboxOnForwardDirect,
@@ -125,6 +139,7 @@ impl Scenario {
             Scenario::InboxOff => "inbox_off",
             Scenario::InboxOn => "inbox_on",
             Scenario::InboxDefault => "inbox_default",
+            Scenario::Masstransit => "masstransit",
             Scenario::InboxOnBatched => "inbox_on_batched",
             Scenario::InboxOnForward => "inbox_on_forward",
             Scenario::InboxOnForwardDirect => "inbox_on_forward_direct",
@@ -144,6 +159,7 @@ impl FromStr for Scenario {
             Scenario::InboxOff,
             Scenario::InboxOn,
             Scenario::InboxDefault,
+            Scenario::Masstransit,
             Scenario::InboxOnBatched,
             Scenario::InboxOnForward,
             Scenario::InboxOnForwardDirect,
@@ -154,7 +170,7 @@ impl FromStr for Scenario {
         .find(|s| s.name() == name)
         .ok_or_else(|| {
             format!(
-                "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_default, inbox_on_batched, \
+                "unknown scenario `{name}` (raw, handwritten, inbox_off, inbox_on, inbox_default, masstransit, inbox_on_batched, \
                  inbox_on_forward, inbox_on_forward_direct, handwritten_forward, two_instances)"
             )
         })
@@ -227,6 +243,11 @@ async fn run() -> Result<()> {
     if common::arg("--outbox").is_some() {
         return outbox(common::parsed_arg("--outbox", 50_000)).await;
     }
+    if common::arg("--light-load").is_some() {
+        let rate = common::parsed_arg("--light-load", 200);
+        let seconds = common::parsed_arg("--seconds", 10);
+        return light_load(rate, seconds, common::parsed_arg("--repeat", 5)).await;
+    }
     let count: usize = common::parsed_arg("--count", 20_000);
     let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
     let prefetch: u16 = common::parsed_arg("--prefetch", 16);
@@ -275,12 +296,26 @@ async fn run() -> Result<()> {
                 QueueSettings::new(format!("throughput.{}.{}", scenario.name(), uuid::Uuid::now_v7()));
             queue.prefetch = prefetch;
             let channel = connection.create_channel().await?;
-            amqp::declare_topology(&channel, &queue, &settings.failure).await?;
-            prefill(&connection, &queue.name, &workload).await?;
+            let wire = match scenario {
+                Scenario::Masstransit => Wire::Masstransit,
+                _ => Wire::Inbox,
+            };
+            match wire {
+                Wire::Inbox => {
+                    amqp::declare_topology(&channel, &queue, &settings.failure).await?;
+                    prefill(&connection, &queue.name, &workload).await?;
+                }
+                Wire::Masstransit => {
+                    let types = [common::masstransit::AttendeeCheckedIn::TYPE];
+                    amqp::declare_wire_topology(&connection, &queue, &settings.failure, wire, &types).await?;
+                    prefill_masstransit(&connection, &workload).await?;
+                }
+            }
             settle_database(&pool).await?;
 
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
+            for_runtime.message_bus.wire = wire;
             if scenario != Scenario::InboxDefault {
                 // One message per transaction, unless the scenario says.
                 for_runtime.queues[0].batch_size = 1;
@@ -306,6 +341,9 @@ async fn run() -> Result<()> {
                 }
                 Scenario::InboxOff => runtime(for_runtime, false, count, 1).await?,
                 Scenario::InboxOn | Scenario::InboxDefault => runtime(for_runtime, true, count, 1).await?,
+                Scenario::Masstransit => {
+                    runtime_of::<common::masstransit::AttendeeCheckedIn>(for_runtime, true, count, 1).await?
+                }
                 Scenario::TwoInstances => runtime(for_runtime, true, count, 2).await?,
                 Scenario::InboxOnBatched => {
                     for_runtime.queues[0].batch_size = batch_size;
@@ -331,10 +369,23 @@ async fn run() -> Result<()> {
                 cpu,
                 ..measured
             };
-            for name in topology(&queue.name, settings.failure.delays.len()) {
+            for name in topology(wire, &queue.name, settings.failure.delays.len()) {
                 channel
                     .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
                     .await?;
+            }
+            if wire == Wire::Masstransit {
+                // MassTransit's exchanges of the same names (the type's
+                // exchange stays, as a MassTransit producer's would).
+                for name in [
+                    wire.error_queue(&queue.name),
+                    wire.skipped_queue(&queue.name),
+                    queue.name.clone(),
+                ] {
+                    channel
+                        .exchange_delete(name.as_str().into(), Default::default())
+                        .await?;
+                }
             }
             let steal = match (steal_before, cpu_steal()) {
                 (Some(before), Some(after)) => format!(" steal_s={:.2}", after - before),
@@ -352,7 +403,9 @@ async fn run() -> Result<()> {
     }
     for scenario in &scenarios {
         let against = match scenario {
-            Scenario::InboxOnForward | Scenario::InboxOnForwardDirect => Scenario::InboxOn,
+            Scenario::InboxOnForward | Scenario::InboxOnForwardDirect | Scenario::Masstransit => {
+                Scenario::InboxOn
+            }
             Scenario::Handwritten => continue,
             _ => Scenario::Handwritten,
         };
@@ -389,12 +442,12 @@ async fn settle_database(pool: &Pool) -> Result<()> {
     Ok(())
 }
 
-/// Every queue kept for `queue`.
-fn topology(queue: &str, tiers: usize) -> Vec<String> {
-    let mut names: Vec<String> = (1..=tiers).map(|tier| amqp::retry_queue(queue, tier)).collect();
+/// Every queue kept for `queue` on `wire`.
+fn topology(wire: Wire, queue: &str, tiers: usize) -> Vec<String> {
+    let mut names: Vec<String> = (1..=tiers).map(|tier| wire.retry_queue(queue, tier)).collect();
     names.extend([
-        amqp::error_queue(queue),
-        amqp::skipped_queue(queue),
+        wire.error_queue(queue),
+        wire.skipped_queue(queue),
         queue.to_owned(),
     ]);
     names
@@ -573,6 +626,55 @@ async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> R
                 return Err(Error::from(format!(
                     "prefill: the broker nacked a message for {queue}"
                 )));
+            }
+        }
+    }
+    channel.close(200, "prefilled".into()).await?;
+    Ok(())
+}
+
+/// The workload as a MassTransit 8.5 producer publishes it: each event in
+/// MassTransit's envelope (camelCase, its `host` and addresses, one
+/// `messageType` URN), persistent, to the type's fanout exchange, with
+/// confirms awaited a thousand at a time.
+async fn prefill_masstransit(connection: &Connection, workload: &Workload) -> Result<()> {
+    use inbox::internal::masstransit::{ENVELOPE_CONTENT_TYPE, message_urn};
+    let exchange = common::masstransit::AttendeeCheckedIn::TYPE;
+    let urn = message_urn(exchange);
+    let channel = connection.create_channel().await?;
+    channel.confirm_select(Default::default()).await?;
+    for window in workload.messages.chunks(1000) {
+        let mut confirms = Vec::with_capacity(window.len());
+        for message in window {
+            // Written out, as cheap to make as `prefill`'s bodies, so that
+            // the producer's cost does not tell the wires apart.
+            let body = format!(
+                r#"{{"messageId":"{id}","requestId":null,"correlationId":null,"conversationId":"{conversation}","initiatorId":null,"sourceAddress":"rabbitmq://localhost/bench_publisher_bus","destinationAddress":"rabbitmq://localhost/{exchange}","responseAddress":null,"faultAddress":null,"messageType":["{urn}"],"message":{{"attendeeId":{attendee},"sessionId":{session}}},"expirationTime":null,"sentTime":"2026-12-05T08:00:00.0000000Z","headers":{{}},"host":{{"machineName":"bench","processName":"Bench.Publisher","processId":1,"assembly":"Bench.Publisher","assemblyVersion":"1.0.0.0","frameworkVersion":"8.0.11","massTransitVersion":"8.5.8.0","operatingSystemVersion":"Unix 6.1.0.0"}}}}"#,
+                id = message.id,
+                conversation = uuid::Uuid::now_v7(),
+                urn = urn,
+                attendee = message.event.attendee_id,
+                session = message.event.session_id,
+            );
+            let properties = BasicProperties::default()
+                .with_message_id(message.id.to_string().into())
+                .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+                .with_delivery_mode(2);
+            confirms.push(
+                channel
+                    .basic_publish(
+                        exchange.into(),
+                        "".into(),
+                        BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        properties,
+                    )
+                    .await?,
+            );
+        }
+        for confirm in confirms {
+            if !confirm.await?.is_ack() {
+                return Err(Error::from("prefill: the broker nacked a MassTransit message"));
             }
         }
     }
@@ -802,15 +904,25 @@ async fn process_by_hand(
 /// `instances` runtimes in this process consuming the queue together, done
 /// when they have settled `count` deliveries between them. Latencies are
 /// the worst instance's.
-async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances: usize) -> Result<Measured> {
+async fn runtime(settings: Settings, inbox_on: bool, count: usize, instances: usize) -> Result<Measured> {
+    runtime_of::<AttendeeCheckedIn>(settings, inbox_on, count, instances).await
+}
+
+/// [`runtime`], its handlers taking the check-ins as `E`.
+async fn runtime_of<E: common::CheckIn>(
+    mut settings: Settings,
+    inbox_on: bool,
+    count: usize,
+    instances: usize,
+) -> Result<Measured> {
     settings.message_bus.enable_inbox = Some(inbox_on);
     settings.database.run_migrations = false; // done once, before the runs
     let started = Instant::now();
     let mut runtimes = Vec::with_capacity(instances);
     for _ in 0..instances {
         let runtime = Runtime::builder(settings.clone().validate()?)
-            .handler::<AttendeeCheckedIn, _>(CountCheckins)
-            .handler::<AttendeeCheckedIn, _>(CountAttendance)
+            .handler::<E, _>(CountCheckins)
+            .handler::<E, _>(CountAttendance)
             .start()
             .await?;
         runtimes.push(runtime);
@@ -848,6 +960,133 @@ async fn runtime(mut settings: Settings, inbox_on: bool, count: usize, instances
         effects_ok: true,
         cpu: None,
     })
+}
+
+/// `--light-load`: latency at a steady, light rate, one message per
+/// transaction against the default settings (see the file's header).
+async fn light_load(rate: u32, seconds: u32, repeat: usize) -> Result<()> {
+    let mut settings = common::settings()?.into_inner();
+    settings.database.set_dbname(DATABASE)?;
+    settings.database.run_migrations = false;
+    settings.message_bus.enable_inbox = Some(true);
+    common::recreate_database(&settings, DATABASE).await?;
+    let pool = inbox::internal::create_pool(&settings)?;
+    common::create_tables(&pool).await?;
+    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
+    let connection = amqp::connect(&settings, "inbox throughput light load").await?;
+    let count = (rate * seconds) as usize;
+    let default_batch = QueueSettings::new("default").batch_size;
+    let configs = [("inbox_on", 1), ("inbox_default", default_batch)];
+    eprintln!("light load: {rate} a second for {seconds} s, {repeat} rounds");
+    let mut runs: Vec<Vec<(Duration, Duration)>> = vec![Vec::new(); configs.len()];
+    for round in 0..repeat {
+        for (i, (name, batch_size)) in configs.iter().enumerate() {
+            pool.get()
+                .await?
+                .batch_execute("TRUNCATE attendee_checkins, session_attendance, inbox_messages")
+                .await?;
+            let mut queue = QueueSettings::new(format!("throughput.light.{name}.{}", uuid::Uuid::now_v7()));
+            queue.batch_size = *batch_size;
+            let channel = connection.create_channel().await?;
+            amqp::declare_topology(&channel, &queue, &settings.failure).await?;
+            let mut for_runtime = settings.clone();
+            for_runtime.queues = vec![queue.clone()];
+            let runtime = Runtime::builder(for_runtime.validate()?)
+                .handler::<AttendeeCheckedIn, _>(CountCheckins)
+                .handler::<AttendeeCheckedIn, _>(CountAttendance)
+                .start()
+                .await?;
+            let stats = runtime.monitor();
+            publish_steadily(&connection, &queue.name, count, rate).await?;
+            while (stats.stats().completed as usize) < count {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let quantiles = (
+                stats.latency_quantile(0.5).unwrap_or_default(),
+                stats.latency_quantile(0.99).unwrap_or_default(),
+            );
+            runtime.shutdown().await;
+            for name in topology(Wire::Inbox, &queue.name, settings.failure.delays.len()) {
+                channel
+                    .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+            }
+            eprintln!(
+                "round={round} light_load scenario={name} rate={rate} p50_ms={:.2} p99_ms={:.2}",
+                ms(quantiles.0),
+                ms(quantiles.1)
+            );
+            runs[i].push(quantiles);
+        }
+    }
+    let median_of = |runs: &[(Duration, Duration)], pick: fn(&(Duration, Duration)) -> Duration| {
+        let mut values: Vec<Duration> = runs.iter().map(pick).collect();
+        values.sort();
+        values[values.len() / 2]
+    };
+    let mut p99s = Vec::new();
+    for ((name, _), runs) in configs.iter().zip(&runs) {
+        let (p50, p99) = (median_of(runs, |r| r.0), median_of(runs, |r| r.1));
+        println!(
+            "light_load scenario={name} rate={rate} p50_ms={:.2} p99_ms={:.2}",
+            ms(p50),
+            ms(p99)
+        );
+        p99s.push(p99);
+    }
+    println!(
+        "light_load p99_difference_ms={:.2} (inbox_default - inbox_on)",
+        ms(p99s[1]) - ms(p99s[0])
+    );
+    // The figures are out: a close refused now fails nothing.
+    if let Err(e) = connection.close(200, "done".into()).await {
+        eprintln!("throughput: closing the connection: {e}");
+    }
+    Ok(())
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
+}
+
+/// Publishes `count` fresh check-ins to `queue`, one every `1 / rate`
+/// seconds, confirms awaited at the end.
+async fn publish_steadily(connection: &Connection, queue: &str, count: usize, rate: u32) -> Result<()> {
+    let channel = connection.create_channel().await?;
+    channel.confirm_select(Default::default()).await?;
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
+    let mut random = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut confirms = Vec::with_capacity(count);
+    for _ in 0..count {
+        ticks.tick().await;
+        let message = Message::new(AttendeeCheckedIn {
+            attendee_id: 1 + random.below(5000) as i64,
+            session_id: 1 + random.below(50) as i64,
+        });
+        let properties = BasicProperties::default()
+            .with_message_id(message.id.to_string().into())
+            .with_type("AttendeeCheckedIn".into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        confirms.push(
+            channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    &message.to_json()?,
+                    properties,
+                )
+                .await?,
+        );
+    }
+    for confirm in confirms {
+        if !confirm.await?.is_ack() {
+            return Err(Error::from(format!("the broker nacked a message for {queue}")));
+        }
+    }
+    channel.close(200, "published".into()).await?;
+    Ok(())
 }
 
 /// The runtime forwarding a `CheckinRecorded` per check-in through the

@@ -239,20 +239,85 @@ pub fn decode(properties: &BasicProperties, body: &[u8], raw_json: bool) -> Resu
 /// (MT/Serialization/SystemTextJsonMessageSerializer.cs), so an envelope
 /// written with the PascalCase naming policy, or by Newtonsoft, reads the
 /// same.
-struct EnvelopeFields<'a>(std::collections::BTreeMap<std::borrow::Cow<'a, str>, &'a RawValue>);
+enum EnvelopeFields<'a> {
+    /// Written as MassTransit writes it (camelCase, no other field): the
+    /// common form, read in one pass with no map.
+    Camel(CamelEnvelope<'a>),
+    /// Any other spelling: every field by name.
+    AnyCase(std::collections::BTreeMap<std::borrow::Cow<'a, str>, &'a RawValue>),
+}
+
+/// The fields of MassTransit's envelope (MT/Serialization/JsonMessageEnvelope.cs)
+/// as it writes them, those the runtime reads kept as they are; any other
+/// field, or one in another case, makes this fail and the envelope is
+/// read by name instead.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[expect(
+    dead_code,
+    reason = "the fields the runtime does not read are named only to be allowed"
+)]
+struct CamelEnvelope<'a> {
+    #[serde(borrow)]
+    message_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    correlation_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    conversation_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    initiator_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    source_address: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message_type: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message: Option<&'a RawValue>,
+    #[serde(default)]
+    request_id: serde::de::IgnoredAny,
+    #[serde(default)]
+    destination_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    response_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    fault_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    expiration_time: serde::de::IgnoredAny,
+    #[serde(default)]
+    sent_time: serde::de::IgnoredAny,
+    #[serde(default)]
+    headers: serde::de::IgnoredAny,
+    #[serde(default)]
+    host: serde::de::IgnoredAny,
+}
 
 impl<'a> EnvelopeFields<'a> {
     fn read(body: &'a [u8]) -> Result<Self, WireError> {
+        if let Ok(camel) = serde_json::from_slice(body) {
+            return Ok(Self::Camel(camel));
+        }
         serde_json::from_slice(body)
-            .map(Self)
+            .map(Self::AnyCase)
             .map_err(|e| WireError::NotAnEnvelope(e.to_string()))
     }
 
-    /// Field `name`'s value, `None` when absent or `null`.
+    /// Field `name` (as MassTransit spells it) in any case, `None` when
+    /// absent or `null`.
     fn get(&self, name: &str) -> Option<&'a RawValue> {
-        let value = match self.0.get(name) {
-            Some(value) => *value,
-            None => *self.0.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
+        let value = match self {
+            Self::Camel(envelope) => match name {
+                "messageId" => envelope.message_id,
+                "correlationId" => envelope.correlation_id,
+                "conversationId" => envelope.conversation_id,
+                "initiatorId" => envelope.initiator_id,
+                "sourceAddress" => envelope.source_address,
+                "messageType" => envelope.message_type,
+                "message" => envelope.message,
+                _ => None,
+            }?,
+            Self::AnyCase(fields) => match fields.get(name) {
+                Some(value) => *value,
+                None => *fields.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
+            },
         };
         (value.get() != "null").then_some(value)
     }
@@ -968,6 +1033,46 @@ mod tests {
             serde_json::json!({"attendeeId": 5, "nested": {"inner": [{"deep": 1}]}}),
             "keys in camelCase at any depth, values as they were"
         );
+    }
+
+    /// The one-pass read of MassTransit's own spelling and the read by name
+    /// agree field for field, and anything else (an extra field, a
+    /// duplicate) takes the read by name.
+    #[test]
+    fn the_one_pass_read_and_the_read_by_name_agree() {
+        let forms = [
+            CAPTURED.to_owned(),
+            CAPTURED.replace("\"message\":", "\"extra\": [1, {\"a\": null}], \"message\":"),
+            CAPTURED.replace(
+                "[\n    \"urn:message:TestSerialization:TestMessage\"\n  ]",
+                "null",
+            ),
+            CAPTURED.replace("\"messageId\":", "\"MessageId\":"),
+        ];
+        for (i, form) in forms.iter().enumerate() {
+            let fields = EnvelopeFields::read(form.as_bytes()).unwrap();
+            assert_eq!(
+                matches!(fields, EnvelopeFields::Camel(_)),
+                i == 0 || i == 2,
+                "form {i}"
+            );
+            let by_name = EnvelopeFields::AnyCase(serde_json::from_str(form).unwrap());
+            for name in [
+                "messageId",
+                "correlationId",
+                "conversationId",
+                "initiatorId",
+                "sourceAddress",
+                "messageType",
+                "message",
+            ] {
+                assert_eq!(
+                    fields.get(name).map(RawValue::get),
+                    by_name.get(name).map(RawValue::get),
+                    "form {i}, {name}"
+                );
+            }
+        }
     }
 
     #[test]

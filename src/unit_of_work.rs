@@ -79,8 +79,14 @@ pub struct UnitOfWork {
 /// Opens a unit of work's transaction (see [`UnitOfWork::begin`]).
 const BEGIN: &str = "BEGIN";
 
-/// Checks that the transaction is not aborted, then commits.
-const COMMIT: &str = "SELECT 1; COMMIT";
+/// Fails in an aborted transaction (25P02), as any statement there does.
+/// Prepared once per connection: a bind and an execute, where a simple
+/// query would make PostgreSQL parse and plan it for every message.
+const PROBE: &str = "SELECT 1";
+
+/// Commits; in an aborted transaction, rolls back without an error, which
+/// is why [`PROBE`] runs just before it.
+const COMMIT: &str = "COMMIT";
 
 /// A unit of work's outbox: the exchange its staged messages go to, the
 /// dispatcher to wake when a commit has staged some, and, with the outbox
@@ -328,10 +334,10 @@ impl UnitOfWork {
         })
     }
 
-    /// Commits. Fails, and discards the connection, when any statement in
-    /// the transaction failed, even one a handler caught and ignored:
-    /// PostgreSQL answers `COMMIT` in an aborted transaction with a silent
-    /// rollback, which would otherwise look like success.
+    /// Commits. Fails when any statement in the transaction failed, even
+    /// one a handler caught and ignored: PostgreSQL answers `COMMIT` in an
+    /// aborted transaction with a silent rollback, which would otherwise
+    /// look like success, so a probe that fails there goes just before it.
     ///
     /// The messages staged with [`publish`](Self::publish) are written in
     /// the same request, ahead of the probe: if writing them fails, the
@@ -345,6 +351,7 @@ impl UnitOfWork {
         // The last chunk (nearly always the only one) goes with the COMMIT;
         // any before it, one round trip each. Each statement is prepared
         // once per connection; after that, no round trip.
+        let probe = self.client().prepare_cached(PROBE).await?;
         let mut last = None;
         for (i, chunk) in chunks.iter().enumerate() {
             let insert = self.client().prepare_cached(chunk.sql()).await?;
@@ -363,16 +370,21 @@ impl UnitOfWork {
         // The rows, then the probe and COMMIT, in one pipeline:
         // tokio-postgres sends a request when its future is first polled.
         // A failed insert aborts the transaction, the probe then fails with
-        // 25P02, and COMMIT in the same string is not executed.
-        let (written, committed) = {
+        // 25P02, and the COMMIT rolls back.
+        let probing = self.client().execute(&probe, &[]);
+        let committing = self.client().batch_execute(COMMIT);
+        let (written, probed, committed) = {
             let mut write = std::pin::pin!(write);
             match write.as_mut().now_or_never() {
                 // Refused before it was sent (a value that does not fit the
                 // column's type, after a schema change): the COMMIT must
                 // not go without it.
                 Some(Err(e)) => return Err(e.into()),
-                Some(Ok(())) => (Ok(()), self.client().batch_execute(COMMIT).await),
-                None => futures_util::future::join(write, self.client().batch_execute(COMMIT)).await,
+                Some(Ok(())) => {
+                    let (probed, committed) = futures_util::future::join(probing, committing).await;
+                    (Ok(()), probed, committed)
+                }
+                None => futures_util::future::join3(write, probing, committing).await,
             }
         };
         drop(last);
@@ -380,6 +392,15 @@ impl UnitOfWork {
         if let Err(e) = written {
             return Err(e.into());
         }
+        // Nothing committed unless the probe passed; a COMMIT that answered
+        // rolled the transaction back, and the connection is clean again.
+        let committed = match probed {
+            Ok(_) => committed,
+            Err(e) => {
+                self.finished = committed.is_ok();
+                Err(e)
+            }
+        };
         match committed {
             Ok(()) => {
                 self.finished = true;
