@@ -603,20 +603,14 @@ async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> R
     for window in workload.messages.chunks(1000) {
         let mut confirms = Vec::with_capacity(window.len());
         for message in window {
-            let properties = BasicProperties::default()
-                .with_message_id(message.id.to_string().into())
-                .with_type("AttendeeCheckedIn".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2);
-            let body = message.to_json()?;
             confirms.push(
                 channel
                     .basic_publish(
                         "".into(),
                         queue.into(),
                         BasicPublishOptions::default(),
-                        &body,
-                        properties,
+                        &message.to_json()?,
+                        properties_of(message),
                     )
                     .await?,
             );
@@ -631,6 +625,15 @@ async fn prefill(connection: &Connection, queue: &str, workload: &Workload) -> R
     }
     channel.close(200, "prefilled".into()).await?;
     Ok(())
+}
+
+/// A check-in's properties, as this library publishes it: persistent.
+fn properties_of(message: &Message<AttendeeCheckedIn>) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(message.id.to_string().into())
+        .with_type("AttendeeCheckedIn".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
 }
 
 /// The workload as a MassTransit 8.5 producer publishes it: each event in
@@ -1063,11 +1066,6 @@ async fn publish_steadily(connection: &Connection, queue: &str, count: usize, ra
             attendee_id: 1 + random.below(5000) as i64,
             session_id: 1 + random.below(50) as i64,
         });
-        let properties = BasicProperties::default()
-            .with_message_id(message.id.to_string().into())
-            .with_type("AttendeeCheckedIn".into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2);
         confirms.push(
             channel
                 .basic_publish(
@@ -1075,7 +1073,7 @@ async fn publish_steadily(connection: &Connection, queue: &str, count: usize, ra
                     queue.into(),
                     BasicPublishOptions::default(),
                     &message.to_json()?,
-                    properties,
+                    properties_of(&message),
                 )
                 .await?,
         );
