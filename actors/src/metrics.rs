@@ -196,3 +196,70 @@ pub(crate) fn inbox_rows(rows: u64, oldest: Option<Duration>) {
     gauge!(INBOX_ROWS).set(rows as f64);
     gauge!(OLDEST_ROW).set(oldest.map_or(0.0, |age| age.as_secs_f64()));
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+
+    /// Keeps what [`super::describe`] describes: each series' name and kind.
+    #[derive(Default)]
+    struct Described(Mutex<Vec<(String, &'static str)>>);
+
+    impl Described {
+        fn add(&self, name: KeyName, kind: &'static str) {
+            self.0.lock().unwrap().push((name.as_str().to_owned(), kind));
+        }
+    }
+
+    impl Recorder for Described {
+        fn describe_counter(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key, "counter");
+        }
+        fn describe_gauge(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key, "gauge");
+        }
+        fn describe_histogram(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key, "histogram");
+        }
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// The metrics table users build dashboards from and the series the
+    /// runtime describes cannot drift apart: the same names, of the same
+    /// kinds.
+    #[test]
+    fn the_operations_metrics_table_lists_every_series_the_runtime_describes() {
+        let described = Described::default();
+        metrics::with_local_recorder(&described, super::describe);
+        let mut described = described.0.into_inner().unwrap();
+        let mut table: Vec<(String, &str)> = include_str!("../../docs/operations.md")
+            .lines()
+            .filter_map(|line| {
+                let mut cells = line.strip_prefix("| `inbox_")?.split(" | ");
+                let name = format!("inbox_{}", cells.next()?.strip_suffix('`')?);
+                let cell = cells.next()?;
+                let kind = ["counter", "gauge", "histogram"]
+                    .into_iter()
+                    .find(|kind| *kind == cell)?;
+                Some((name, kind))
+            })
+            .collect();
+        described.sort();
+        table.sort();
+        assert!(described.len() >= 14, "{described:?}");
+        assert_eq!(
+            table, described,
+            "docs/operations.md's metrics table against describe()"
+        );
+    }
+}

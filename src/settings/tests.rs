@@ -708,3 +708,72 @@ fn remote_connections_that_verify_nothing_are_named_at_start() {
     settings.message_bus.amqp_urls.truncate(0);
     assert!(settings.insecure_connections().is_empty());
 }
+
+/// The keys `config/default.toml` names, set or shown commented out, with
+/// the value of those it sets: `section.key` (`queues[].key` for the
+/// commented `[[queues]]` entry).
+fn keys_of_the_default_file(text: &str) -> Vec<(String, Option<String>)> {
+    let mut section = String::new();
+    let mut keys = Vec::new();
+    for line in text.lines() {
+        let (commented, line) = match line.strip_prefix("# ") {
+            Some(rest) => (true, rest),
+            None => (false, line),
+        };
+        if let Some(name) = line.strip_prefix("[[").and_then(|l| l.strip_suffix("]]")) {
+            section = format!("{name}[]");
+        } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_owned();
+        } else if let Some((key, value)) = line.split_once(" = ")
+            && !key.is_empty()
+            && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+        {
+            keys.push((format!("{section}.{key}"), (!commented).then(|| value.to_owned())));
+        }
+    }
+    keys
+}
+
+/// The rows of docs/operations.md's settings table: key and default.
+fn rows_of_the_settings_table(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut cells = line.strip_prefix("| `")?.split(" | ");
+            let key = cells.next()?.strip_suffix('`')?;
+            let default = cells.next()?;
+            key.contains('.').then(|| (key.to_owned(), default.to_owned()))
+        })
+        .collect()
+}
+
+/// The settings table users read and the file the runtime ships cannot
+/// drift apart: the same keys, and the same defaults where the file sets
+/// them.
+#[test]
+fn the_operations_settings_table_and_the_default_file_agree() {
+    let file = keys_of_the_default_file(include_str!("../../config/default.toml"));
+    let table = rows_of_the_settings_table(include_str!("../../docs/operations.md"));
+    assert!(
+        file.len() > 40 && table.len() > 40,
+        "{} keys, {} rows",
+        file.len(),
+        table.len()
+    );
+    // Quotes aside: the table shows `rabbitmq` for the file's "rabbitmq".
+    let plain = |value: &str| value.replace(['"', '`'], "");
+    for (key, value) in &file {
+        let row = table.iter().find(|(name, _)| name == key);
+        let Some((_, default)) = row else {
+            panic!("docs/operations.md's settings table has no row for `{key}`");
+        };
+        if let Some(value) = value {
+            assert_eq!(plain(default), plain(value), "the default of `{key}`");
+        }
+    }
+    for (key, _) in &table {
+        assert!(
+            file.iter().any(|(name, _)| name == key),
+            "config/default.toml does not show `{key}`, which docs/operations.md lists"
+        );
+    }
+}
