@@ -350,8 +350,11 @@ pub struct QueueSettings {
     /// never waits for more deliveries: it takes those that are ready now
     /// (a message arriving alone is processed alone, at once), and more
     /// gather only while another batch of the queue is running. Default 8;
-    /// 1 processes each message in its own transaction. At most 64; a batch
-    /// never holds more than `prefetch` deliveries.
+    /// 1 processes each message in its own transaction, and up to
+    /// `prefetch` of them at once: better for handlers that wait on
+    /// something slow (a batch runs its messages' handlers one after the
+    /// other). At most 64; a batch never holds more than `prefetch`
+    /// deliveries.
     #[serde(default = "default_batch_size")]
     pub batch_size: u16,
     /// `concurrent_batches`: how many of the queue's batches may run their
