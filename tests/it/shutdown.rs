@@ -146,3 +146,47 @@ async fn a_runtime_dropped_without_shutdown_drains_in_the_background() {
     assert_eq!(monitor.stats().completed, 1, "the message in flight finished");
     assert_eq!(env.count("counts", 0).await, 1);
 }
+
+/// With the default settings, deliveries wait in a batch or in the buffer
+/// for the next one: a shutdown finishes or hands back every one of them,
+/// and each message has its effect once or is back in the queue, never
+/// acked without it.
+#[actix_rt::test]
+async fn shutdown_with_batches_in_flight_and_buffered_loses_and_doubles_nothing() {
+    let env = TestEnv::new("shutdown_batches").await;
+    let settings = env.settings();
+    assert!(
+        settings.queues[0].batch_limit() > 1,
+        "group commit is the default"
+    );
+    let slow = Slow {
+        started: Arc::new(AtomicBool::new(false)),
+        pause: Duration::from_millis(50),
+    };
+    let runtime = Runtime::builder(settings.valid())
+        .handler(slow)
+        .start()
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..40).await;
+    let monitor = runtime.monitor();
+    wait_until("a few complete", || async { monitor.stats().completed >= 3 }).await;
+    runtime.shutdown().await;
+
+    let stats = monitor.stats();
+    assert!(stats.batches >= 1, "no batch formed: {stats:?}");
+    let effects = env.scalar("SELECT count(*) FROM counts").await;
+    assert_eq!(
+        env.scalar("SELECT coalesce(max(n), 0) FROM counts").await,
+        1,
+        "no message counted twice"
+    );
+    assert_eq!(
+        effects as u64, stats.completed,
+        "every completed message was counted, and only those"
+    );
+    wait_until("the rest are back in the queue", || async {
+        env.ready(&env.queue).await as i64 + effects == 40
+    })
+    .await;
+}
