@@ -535,8 +535,8 @@ fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String
         scenario.name(),
         m.seconds,
         count as f64 / m.seconds,
-        m.p50.as_secs_f64() * 1000.0,
-        m.p99.as_secs_f64() * 1000.0,
+        ms(m.p50),
+        ms(m.p99),
         m.effects_ok
     )
 }
@@ -544,11 +544,13 @@ fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String
 /// Each figure's median over the runs (the time, each latency quantile,
 /// each process's CPU), not one run's figures: a round that ran fast under
 /// a latency spike must not stand for the p99 of all of them.
+/// The median of `values` (the upper one of an even count).
+fn middle(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 fn median(runs: &[Measured]) -> Measured {
-    fn middle(mut values: Vec<f64>) -> f64 {
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    }
     let of = |figure: fn(&Measured) -> f64| middle(runs.iter().map(figure).collect());
     let cpu = runs
         .iter()
@@ -1022,24 +1024,16 @@ async fn light_load(rate: u32, seconds: u32, repeat: usize) -> Result<()> {
             runs[i].push(quantiles);
         }
     }
-    let median_of = |runs: &[(Duration, Duration)], pick: fn(&(Duration, Duration)) -> Duration| {
-        let mut values: Vec<Duration> = runs.iter().map(pick).collect();
-        values.sort();
-        values[values.len() / 2]
-    };
     let mut p99s = Vec::new();
     for ((name, _), runs) in configs.iter().zip(&runs) {
-        let (p50, p99) = (median_of(runs, |r| r.0), median_of(runs, |r| r.1));
-        println!(
-            "light_load scenario={name} rate={rate} p50_ms={:.2} p99_ms={:.2}",
-            ms(p50),
-            ms(p99)
-        );
+        let p50 = middle(runs.iter().map(|r| ms(r.0)).collect());
+        let p99 = middle(runs.iter().map(|r| ms(r.1)).collect());
+        println!("light_load scenario={name} rate={rate} p50_ms={p50:.2} p99_ms={p99:.2}");
         p99s.push(p99);
     }
     println!(
         "light_load p99_difference_ms={:.2} (inbox_default - inbox_on)",
-        ms(p99s[1]) - ms(p99s[0])
+        p99s[1] - p99s[0]
     );
     // The figures are out: a close refused now fails nothing.
     if let Err(e) = connection.close(200, "done".into()).await {

@@ -113,10 +113,7 @@ impl Work {
             return Ok(uow);
         }
         // Held while the handlers run, released before the commit.
-        let _running = lane
-            .acquire()
-            .await
-            .map_err(|e| Abandoned::new(Stage::BatchTurn, e))?;
+        let running = take_turn(lane).await?;
         // The whole batch first, without a savepoint: nearly every batch
         // commits whole, and under a savepoint each of its writes would be
         // a subtransaction's, which costs PostgreSQL more.
@@ -134,11 +131,17 @@ impl Work {
             WholeBatch::Lost(abandoned) => return Err(abandoned),
         };
         // Undone whole, claims included, and claimed again in a new
-        // transaction (meanwhile another instance may have completed a
-        // member: it is a duplicate now), then one message at a time.
+        // transaction (meanwhile another batch may have completed a member:
+        // it is a duplicate now), then one message at a time. The turn is
+        // given back for the claim, as for the first: a batch of this queue
+        // that claimed a copy of a member while the claims were undone
+        // holds its row and waits for the turn, and would wait until
+        // `database.lock_timeout` for a claim made while holding it.
         self.stats.add(Counter::BatchesSplit);
+        drop(running);
         roll_back(failed).await?;
         let (uow, claimed) = self.claim(members, keys, outcomes).await?;
+        let _running = take_turn(lane).await?;
         self.run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
             .await
     }
@@ -295,4 +298,11 @@ impl Work {
             .get(event_type)
             .ok_or_else(|| Abandoned::new(Stage::Runtime, "route vanished"))
     }
+}
+
+/// One of the queue's turns to run handlers (`queues[].concurrent_batches`).
+async fn take_turn(lane: &Semaphore) -> Result<tokio::sync::SemaphorePermit<'_>, Abandoned> {
+    lane.acquire()
+        .await
+        .map_err(|e| Abandoned::new(Stage::BatchTurn, e))
 }

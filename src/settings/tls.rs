@@ -58,23 +58,11 @@ impl PgTls {
             Ok(())
         };
         let rest = if url.contains("://") {
-            let (head, query) = match url.split_once('?') {
-                Some((head, query)) => (head, query),
-                None => return Ok((url.to_owned(), tls)),
-            };
-            let mut kept = Vec::new();
-            for pair in query.split('&').filter(|pair| !pair.is_empty()) {
-                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-                if PG_TLS_KEYS.contains(&key) {
-                    take(key, percent_decode(value))?;
-                } else {
-                    kept.push(pair);
-                }
+            let (rest, taken) = take_query_params(url, |key| PG_TLS_KEYS.contains(&key));
+            for (key, value) in taken {
+                take(key, value)?;
             }
-            match kept.is_empty() {
-                true => head.to_owned(),
-                false => format!("{head}?{}", kept.join("&")),
-            }
+            rest
         } else {
             let mut kept = Vec::new();
             for (key, value) in conninfo_pairs(url)? {
@@ -247,8 +235,14 @@ pub(crate) struct BrokerTls {
     pub(crate) server_name: Option<String>,
 }
 
-/// The TLS parameters of RabbitMQ's URI spec this library reads.
-const AMQP_TLS_KEYS: [&str; 4] = ["cacertfile", "certfile", "keyfile", "server_name_indication"];
+/// Whether `name` is one of the TLS parameters of RabbitMQ's URI spec this
+/// library reads (`verify` included, to refuse `verify_none`).
+fn is_amqp_tls_param(name: &str) -> bool {
+    matches!(
+        name,
+        "cacertfile" | "certfile" | "keyfile" | "server_name_indication" | "verify"
+    )
+}
 
 impl BrokerTls {
     /// What `url` (the `index`th of `amqp_urls`) and the `tls_*` settings
@@ -271,10 +265,7 @@ impl BrokerTls {
                 .map(|f| (f, "message_bus.tls_key_file".into())),
             server_name: bus.tls_server_name.clone(),
         };
-        let query = url.split_once('?').map_or("", |(_, query)| query);
-        for pair in query.split('&').filter(|pair| !pair.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = percent_decode(value);
+        for (name, value) in take_query_params(url, is_amqp_tls_param).1 {
             match name {
                 "cacertfile" => tls.ca_file = Some((value, key(name))),
                 "certfile" => tls.cert_file = Some((value, key(name))),
@@ -326,20 +317,29 @@ impl BrokerTls {
 /// `url` without the TLS parameters of RabbitMQ's URI spec (lapin reads
 /// none of them).
 pub(crate) fn without_amqp_tls_params(url: &str) -> String {
+    take_query_params(url, is_amqp_tls_param).0
+}
+
+/// `url` without the parameters of its query that `taken` names, and those
+/// parameters, names and percent-decoded values, in order.
+fn take_query_params(url: &str, taken: impl Fn(&str) -> bool) -> (String, Vec<(&str, String)>) {
     let Some((head, query)) = url.split_once('?') else {
-        return url.to_owned();
+        return (url.to_owned(), Vec::new());
     };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| {
-            let name = pair.split_once('=').map_or(*pair, |(name, _)| name);
-            !pair.is_empty() && !AMQP_TLS_KEYS.contains(&name) && name != "verify"
-        })
-        .collect();
-    match kept.is_empty() {
+    let (mut kept, mut took) = (Vec::new(), Vec::new());
+    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if taken(name) {
+            took.push((name, percent_decode(value)));
+        } else {
+            kept.push(pair);
+        }
+    }
+    let rest = match kept.is_empty() {
         true => head.to_owned(),
         false => format!("{head}?{}", kept.join("&")),
-    }
+    };
+    (rest, took)
 }
 
 /// A secret given apart from the URL: `file`'s contents (a mounted

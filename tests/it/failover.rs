@@ -59,6 +59,19 @@ async fn connect(port: u16, database: &str) -> Client {
     client
 }
 
+/// Whether a session of `database` other than the caller's has a
+/// transaction open.
+async fn in_transaction(admin: &Client, database: &str) -> bool {
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND xact_start IS NOT NULL AND pid <> pg_backend_pid()",
+            &[&database],
+        )
+        .await
+        .unwrap();
+    row.get::<_, i64>(0) > 0
+}
+
 async fn counts(client: &Client) -> HashMap<i64, i64> {
     client
         .query("SELECT key, n FROM counts", &[])
@@ -173,14 +186,19 @@ async fn on_failover_messages_are_held_then_processed_once_on_the_new_primary() 
         .await
         .unwrap();
     publish_keys(&runtime, &env.queue, 0..40).await;
-    wait_until("some complete on the first server", || async {
-        runtime.stats().completed >= 10
-    })
-    .await;
 
     // The failover: the first server turns read-only and drops its sessions
-    // while messages are in flight.
-    turn_read_only(&connect(5432, "postgres").await, &env.database).await;
+    // while messages are in flight. A batch holds its transaction open for
+    // up to 8 x 20 ms, so waiting for an open one makes "in flight" certain
+    // rather than likely (between two batches none is open, and a server
+    // swapped then holds nothing).
+    let admin = connect(5432, "postgres").await;
+    wait_until(
+        "some complete on the first server and a transaction is open there",
+        || async { runtime.stats().completed >= 5 && in_transaction(&admin, &env.database).await },
+    )
+    .await;
+    turn_read_only(&admin, &env.database).await;
     publish_keys(&runtime, &env.queue, 40..60).await;
     wait_until("all complete", || async { runtime.stats().completed == 60 }).await;
     let stats = runtime.stats();
