@@ -973,3 +973,51 @@ async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_el
     );
     assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
 }
+
+/// A schema migrated elsewhere (docs/operations.md, "Outside start-up"): a
+/// service user with only the grants listed there consumes, records, stages
+/// and forwards through the outbox, and sweeps.
+#[actix_rt::test]
+async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
+    let (env, forward) = with_forward_queue("documented_grants").await;
+    let mut admin = env.db().await;
+    inbox::internal::run_migrations(&mut admin).await.unwrap();
+    let role = "inbox_test_documented_grants";
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;
+             END $$;
+             GRANT SELECT, INSERT, UPDATE, DELETE ON inbox_messages, inbox_deliveries, outbox_messages TO {role};
+             GRANT USAGE ON SEQUENCE outbox_messages_seq_seq TO {role};
+             GRANT SELECT, INSERT, UPDATE ON counts TO {role};"
+        ))
+        .await
+        .unwrap();
+    let mut settings = env.settings();
+    let as_postgres = crate::support::database_url_of(&env.database);
+    settings.database.url = as_postgres.replacen("://postgres@", &format!("://{role}@"), 1);
+    assert_ne!(
+        settings.database.url, as_postgres,
+        "DATABASE_URL names user postgres"
+    );
+    settings.database.run_migrations = false;
+
+    let runtime = forwarding(settings, &forward).await;
+    publish_keys(&runtime, &env.queue, 0..5).await;
+    wait_until("all five complete", || async { runtime.stats().completed == 5 }).await;
+    wait_until("a retention sweep ran", || async { runtime.stats().sweeps >= 1 }).await;
+    outbox_empties(&env).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!((stats.retried, stats.abandoned), (0, 0), "{stats:?}");
+    let (_, mut keys) = drain(&forward).await;
+    keys.sort_unstable();
+    assert_eq!(keys, (1000..1005).collect::<Vec<i64>>());
+    assert_eq!(env.scalar("SELECT count(*) FROM inbox_messages").await, 5);
+    admin
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .await
+        .unwrap();
+}
