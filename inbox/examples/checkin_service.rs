@@ -1,0 +1,319 @@
+//! A conference check-in service: consumes `AttendeeCheckedIn` events and
+//! counts check-ins per attendee and attendance per session, exactly once.
+//!
+//! ```text
+//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
+//!     [--forward-to QUEUE] [--http ADDR] [--wire inbox|masstransit]
+//! cargo run --example checkin_service -- --remove [--queue NAME]
+//! ```
+//!
+//! It uses the database `checkin` (created if missing) unless
+//! `DATABASE_URL` or the settings' `database.url` name another than the
+//! maintenance database `postgres`. `--remove` drops that database (not
+//! one `DATABASE_URL` names) and deletes the queue and the queues kept
+//! beside it, then exits: what the quickstart created, gone.
+//!
+//! The deliveries that are ready together commit together, in batches of
+//! up to 8 (group commit, `queues[].batch_size`), which the handlers write
+//! with one set-based statement each; `--batch-size N` sets the size, and
+//! `--batch-size 1` processes each message in its own transaction.
+//!
+//! `--forward-to QUEUE` declares QUEUE (durable, quorum) and, for every
+//! check-in it records, stages one `CheckinRecorded` follow-up for QUEUE
+//! through the outbox, in the same transaction as its counts: a fresh
+//! `message_id`, the body `{"attendee_id", "session_id",
+//! "source_message_id"}`. A refused check-in forwards nothing.
+//!
+//! `--wire masstransit` speaks MassTransit 8 (docs/masstransit.md): it
+//! consumes `Conference.Contracts:AttendeeCheckedIn`
+//! (`{"attendeeId", "sessionId"}` in MassTransit's envelope), which a
+//! producer publishes to the exchange of that name with an empty routing
+//! key; errors go to `Q_error`, unknown types to `Q_skipped`; with
+//! `--forward-to F`, F is bound to the fanout exchange
+//! `Conference.Contracts:CheckinRecorded`, and each check-in stages one
+//! `CheckinRecorded` envelope (`{"attendeeId", "sessionId",
+//! "sourceMessageId"}`, its `initiatorId` the handled `messageId`, its
+//! `conversationId` carried over).
+//!
+//! `--http ADDR` (`127.0.0.1:9464`, say) serves, with actix-web on the
+//! runtime's own actix system:
+//! - `GET /health/live`: 200 while the runtime's actors run, else 503;
+//! - `GET /health/ready`: 200 when every queue is consumed over a live
+//!   connection, the database answers and the service is not stopping,
+//!   else 503;
+//! - `GET /metrics`: the runtime's metrics, in Prometheus' text format.
+//!
+//! The health bodies are JSON: `{"ok": true, "reasons": []}`, the reasons
+//! saying what is wrong. One SIGINT or SIGTERM stops the server and the
+//! runtime together, their drains overlapping (docs/operations.md).
+//!
+//! `--abort-on-attendee ID` is a crash-loop demonstration: the process
+//! aborts (`std::process::abort`) whenever it handles a check-in of
+//! attendee ID, before anything commits. The broker hands that message out
+//! again after every restart, until its queue's `delivery_limit` moves it
+//! to the error queue. Never use it for anything else.
+//!
+//! Two handlers write in the message's one transaction, so a redelivery
+//! counted twice would show. An event with a negative `attendee_id` fails
+//! the first handler on purpose: the failure path, with nothing committed.
+//! Honours `DATABASE_URL` and `AMQP_URL`; stop it with Ctrl-C or SIGTERM.
+
+// The event, the two handlers and the tables live in common/mod.rs, shared
+// with the publisher and the throughput benchmark.
+mod common;
+
+use std::time::Duration;
+
+use actix_web::{App, HttpResponse, HttpServer, web};
+use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
+use inbox::{
+    EventHandler, HandlerError, IntegrationEvent, Monitor, Probe, Runtime, RuntimeBuilder, UnitOfWork, Wire,
+};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tracing_subscriber::EnvFilter;
+
+#[actix::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .init();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> common::Result<()> {
+    let mut settings = common::settings()?;
+    if std::env::args().any(|a| a == "--remove") {
+        return remove(&settings).await;
+    }
+    let wire = settings.message_bus.wire;
+    // Before the runtime is built: it registers its metrics as it builds.
+    let http = match common::arg("--http") {
+        Some(address) => Some((address, common::install_prometheus()?)),
+        None => None,
+    };
+    if let Some(name) = common::own_database(&settings) {
+        common::create_database(&settings, &name).await?;
+    }
+    if common::arg("--batch-size").is_some() {
+        let size = common::parsed_arg("--batch-size", 1u16);
+        settings = settings.with(|settings| {
+            for queue in &mut settings.queues {
+                queue.batch_size = size;
+            }
+        })?;
+    }
+    let forward_to = common::arg("--forward-to");
+    // The queue for follow-ups before the first message is consumed.
+    if let Some(queue) = &forward_to {
+        let recorded = match wire {
+            Wire::Inbox => None,
+            Wire::Masstransit => Some(common::masstransit::CheckinRecorded::TYPE),
+        };
+        declare_forward_queue(&settings, queue, recorded).await?;
+    }
+    // Listening before consuming starts: a SIGTERM from then on drains.
+    let signal = inbox::shutdown_signal()?;
+    let builder = Runtime::builder(settings).migrations(common::SCHEMA);
+    let runtime = match wire {
+        Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
+        Wire::Masstransit => {
+            with_handlers::<common::masstransit::AttendeeCheckedIn>(builder, forward_to.as_deref())
+        }
+    }
+    .start()
+    .await?;
+
+    // A progress line every few seconds.
+    let stats = runtime.monitor();
+    actix_rt::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        every.tick().await;
+        loop {
+            every.tick().await;
+            let s = stats.stats();
+            tracing::info!(
+                processed = s.completed,
+                duplicates_skipped = s.duplicates,
+                failed = s.abandoned,
+                set_aside = s.rejected + s.skipped,
+                batches = s.batches,
+                "progress"
+            );
+        }
+    });
+    match http {
+        Some((address, metrics)) => serve(runtime, signal, &address, metrics).await,
+        None => {
+            runtime.run_until(signal).await;
+            Ok(())
+        }
+    }
+}
+
+/// What the HTTP endpoints read.
+#[derive(Clone)]
+struct Endpoints {
+    health: Monitor,
+    metrics: PrometheusHandle,
+}
+
+/// Runs the runtime and the HTTP server on `address` until one signal
+/// stops both: the docs/operations.md pattern, one signal handler for the
+/// whole service and both drains at once.
+async fn serve(
+    runtime: Runtime,
+    signal: impl Future<Output = ()> + 'static,
+    address: &str,
+    metrics: PrometheusHandle,
+) -> common::Result<()> {
+    let endpoints = Endpoints {
+        health: runtime.monitor(),
+        metrics,
+    };
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(web::Data::new(endpoints.clone()))
+            .route("/health/live", web::get().to(live))
+            .route("/health/ready", web::get().to(ready))
+            .route("/metrics", web::get().to(render_metrics))
+    })
+    .workers(1)
+    .disable_signals() // one signal handler for the whole service
+    .shutdown_timeout(20) // within runtime.shutdown_timeout, below the grace period
+    .bind(address)
+    .map_err(|e| common::BoxError::from(format!("--http {address}: cannot listen: {e}")))?
+    .run();
+    tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
+    let http = server.handle();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    actix_rt::spawn(async move {
+        signal.await;
+        let _ = stop.send(());
+        http.stop(true).await; // graceful: finishes the requests in flight
+    });
+    // Both drain at once: the whole stop takes the longer of the two.
+    let (served, ()) = tokio::join!(
+        server,
+        runtime.run_until(async {
+            let _ = stopped.await;
+        })
+    );
+    served.map_err(|e| common::BoxError::from(format!("the HTTP server failed: {e}")))
+}
+
+async fn live(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    probe(endpoints.health.live())
+}
+
+async fn ready(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    probe(endpoints.health.ready().await)
+}
+
+/// 200 or 503, with the probe as JSON.
+fn probe(probe: Probe) -> HttpResponse {
+    let mut response = match probe.ok {
+        true => HttpResponse::Ok(),
+        false => HttpResponse::ServiceUnavailable(),
+    };
+    response.json(probe)
+}
+
+async fn render_metrics(endpoints: web::Data<Endpoints>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(endpoints.metrics.render())
+}
+
+/// The service's handlers for check-ins of contract `E` (this library's,
+/// or MassTransit's with `--wire masstransit`), in registration order.
+fn with_handlers<E: CheckIn>(mut builder: RuntimeBuilder, forward_to: Option<&str>) -> RuntimeBuilder {
+    if common::arg("--abort-on-attendee").is_some() {
+        let attendee_id = common::parsed_arg("--abort-on-attendee", 0i64);
+        tracing::warn!(
+            attendee_id,
+            "--abort-on-attendee: this process aborts on that attendee's check-ins"
+        );
+        builder = builder.handler::<E, _>(AbortOn { attendee_id });
+    }
+    builder = builder
+        .handler::<E, _>(CountCheckins)
+        .handler::<E, _>(CountAttendance);
+    if let Some(queue) = forward_to {
+        builder = builder.handler::<E, _>(ForwardCheckins {
+            queue: queue.to_owned(),
+        });
+    }
+    builder
+}
+
+/// Kills the process on one attendee's check-ins: a poison message that
+/// crashes its consumer on every delivery (`--abort-on-attendee`).
+struct AbortOn {
+    attendee_id: i64,
+}
+
+impl<E: CheckIn> EventHandler<E> for AbortOn {
+    async fn handle(&self, event: &E, _uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.attendee_id() == self.attendee_id {
+            eprintln!(
+                "checkin_service: aborting on attendee {} (--abort-on-attendee)",
+                self.attendee_id
+            );
+            std::process::abort();
+        }
+        Ok(())
+    }
+}
+
+/// Drops the service's database and deletes its queues (`--remove`).
+async fn remove(settings: &inbox::Settings) -> common::Result<()> {
+    let connection = inbox::tools::connect(settings, "checkin_service --remove").await?;
+    let channel = connection.create_channel().await?;
+    let wire = settings.message_bus.wire;
+    for queue in &settings.queues {
+        let q = queue.name.as_str();
+        let kept = (1..=settings.failure.delays.len()).map(|tier| wire.retry_queue(q, tier));
+        for name in kept.chain([wire.error_queue(q), wire.skipped_queue(q), q.to_owned()]) {
+            let deleted = channel
+                .queue_delete(name.as_str().into(), Default::default())
+                .await?;
+            println!("deleted queue {name} ({deleted} messages)");
+            if wire == Wire::Masstransit && !name.contains("_retry_") {
+                // MassTransit's endpoints have an exchange of their name.
+                channel
+                    .exchange_delete(name.as_str().into(), Default::default())
+                    .await?;
+            }
+        }
+    }
+    connection.close(200, "removed".into()).await?;
+    if let Some(name) = common::own_database(settings) {
+        common::drop_database(settings, &name).await?;
+        println!("dropped database {name}");
+    }
+    Ok(())
+}
+
+/// Declares the queue follow-ups go to: durable and quorum, idempotently;
+/// with MassTransit's wire, bound to the fanout exchange of their type
+/// `recorded`, as a MassTransit consumer of it would be.
+async fn declare_forward_queue(
+    settings: &inbox::Settings,
+    queue: &str,
+    recorded: Option<&str>,
+) -> common::Result<()> {
+    let connection = inbox::tools::connect(settings, "checkin_service --forward-to").await?;
+    let channel = connection.create_channel().await?;
+    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;
+    if let Some(exchange) = recorded {
+        inbox::tools::bind_to_fanout(&channel, queue, exchange).await?;
+    }
+    connection.close(200, "declared".into()).await?;
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! Publishes `AttendeeCheckedIn` events for the check-in service, some of
+//! them again under an id already used (the redeliveries the inbox skips).
+//!
+//! ```text
+//! cargo run --example publish -- [--count 1000] [--dup-ratio 0.2] [--failing 0] [--queue NAME]
+//! ```
+//!
+//! `--failing N` adds N events with a negative attendee id, which the
+//! service's first handler refuses. Prints what the service's tables should
+//! add up to once everything is consumed.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::{AttendeeCheckedIn, XorShift};
+use inbox::Message;
+use inbox::tools::{self, AmqpPublisher};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("publish: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> common::Result<()> {
+    let count: usize = common::parsed_arg("--count", 1000);
+    let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
+    let failing: usize = common::parsed_arg("--failing", 0);
+    if !(0.0..1.0).contains(&dup_ratio) {
+        return Err(common::BoxError::from(format!(
+            "--dup-ratio {dup_ratio} must be in [0, 1)"
+        )));
+    }
+    let settings = common::settings()?;
+    let queue = &settings.queues[0];
+
+    let connection = tools::connect(&settings, "inbox example publisher").await?;
+    tools::declare_topology(&connection.create_channel().await?, queue, &settings.failure).await?;
+    let publisher = AmqpPublisher::new(&connection, "").await?;
+
+    let mut random = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::with_capacity(count);
+    let mut unique = HashSet::new();
+    for i in 0..count + failing {
+        let message = if i >= count {
+            Message::new(AttendeeCheckedIn {
+                attendee_id: -1 - random.below(100) as i64,
+                session_id: 1 + random.below(10) as i64,
+            })
+        } else if !sent.is_empty() && random.chance(dup_ratio) {
+            sent[random.below(sent.len() as u64) as usize].clone()
+        } else {
+            Message::new(AttendeeCheckedIn {
+                attendee_id: 1 + random.below(1000) as i64,
+                session_id: 1 + random.below(10) as i64,
+            })
+        };
+        publisher.publish(&queue.name, &message).await?;
+        if i < count {
+            unique.insert(message.id);
+            sent.push(message);
+        }
+    }
+    connection.close(200, "done".into()).await?;
+    println!(
+        "queue={} published={} unique={} failing={} expected_checkins={}",
+        queue.name,
+        count + failing,
+        unique.len(),
+        failing,
+        unique.len()
+    );
+    Ok(())
+}

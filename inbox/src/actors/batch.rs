@@ -1,0 +1,311 @@
+//! The batch path of the [`DedupActor`](crate::DedupActor): several
+//! messages in one transaction.
+//!
+//! One statement claims every message of the batch; the handlers run on
+//! the whole batch (`HandleBatch`) and every message is recorded; one
+//! commit. If the handlers fail, the transaction is rolled back, the batch
+//! claimed again in a new one, and each message run alone after a
+//! savepoint of its own: a failing message is undone alone and takes its
+//! failure path by itself, the others commit.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use crate::UnitOfWork;
+use crate::envelope::Envelope;
+use crate::policy::{Abandoned, Outcome, Stage};
+use crate::store::{Claim, InboxKey};
+use tokio::sync::Semaphore;
+
+use crate::actors::dedup::{DeliverBatch, Route, Work, give_up, key, roll_back};
+use crate::actors::handler::Handled;
+use crate::actors::stats::Counter;
+
+/// How the attempt on a whole batch ended.
+enum WholeBatch {
+    /// Every handler succeeded on the whole batch, and every message is
+    /// recorded: ready to commit.
+    Done(UnitOfWork),
+    /// Something failed and the transaction can be rolled back: run the
+    /// messages one at a time.
+    Failed(UnitOfWork),
+    /// The transaction is lost (a handler panicked, its actor vanished):
+    /// every message starts over.
+    Lost(Abandoned),
+}
+
+impl Work {
+    pub(crate) async fn process_batch(
+        self,
+        DeliverBatch {
+            consumer, envelopes, ..
+        }: DeliverBatch,
+        lane: &Semaphore,
+    ) -> Vec<Outcome> {
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
+        // The messages to claim: one per id, with a handler. A second copy of
+        // an id in the batch is a duplicate whatever becomes of the first:
+        // that one is committed, or alive on its failure path.
+        let mut seen = HashSet::new();
+        let mut members = Vec::new();
+        for (i, envelope) in envelopes.iter().enumerate() {
+            if !self.routes.contains_key(&envelope.event_type) {
+                outcomes[i] = Some(Outcome::NoHandler {
+                    event_type: envelope.event_type.clone(),
+                });
+            } else if seen.insert(envelope.message_id) {
+                members.push(i);
+            } else {
+                outcomes[i] = Some(Outcome::Duplicate);
+            }
+        }
+        let keys: Vec<InboxKey> = members.iter().map(|&i| key(&consumer, &envelopes[i])).collect();
+
+        if !members.is_empty() {
+            match self
+                .run_batch(&envelopes, &members, &keys, &mut outcomes, lane)
+                .await
+            {
+                Ok(uow) => {
+                    if let Err(e) = uow.commit().await {
+                        // Nothing committed: every message that was to
+                        // complete goes back on its failure path.
+                        for &i in &members {
+                            if outcomes[i] == Some(Outcome::Completed) {
+                                outcomes[i] =
+                                    Some(Outcome::Abandoned(Abandoned::database(Stage::Commit, &e)));
+                            }
+                        }
+                    }
+                }
+                // Nothing of the batch committed: every member without an
+                // outcome of its own, or that was to complete, starts over.
+                Err(abandoned) => {
+                    for &i in &members {
+                        if matches!(outcomes[i], None | Some(Outcome::Completed)) {
+                            outcomes[i] = Some(Outcome::Abandoned(abandoned.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Outcome::Abandoned(Abandoned::new(Stage::Runtime, "no outcome"))))
+            .collect()
+    }
+
+    /// Claims the members and runs their handlers: on the whole batch
+    /// first, then, if that fails, on each message after a savepoint of its
+    /// own. Writes the members' outcomes (`Completed` meaning "completed if
+    /// the commit succeeds"). Returns the unit of work to commit, or why the
+    /// whole batch failed (every undecided or would-be-completed member is
+    /// abandoned then).
+    async fn run_batch(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        outcomes: &mut [Option<Outcome>],
+        lane: &Semaphore,
+    ) -> Result<UnitOfWork, Abandoned> {
+        // The claim may run outside the lane: it locks only inbox rows,
+        // which no handler waits for.
+        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
+        if claimed.is_empty() {
+            return Ok(uow);
+        }
+        // Held while the handlers run, released before the commit.
+        let running = take_turn(lane).await?;
+        // The whole batch first, without a savepoint: nearly every batch
+        // commits whole, and under a savepoint each of its writes would be
+        // a subtransaction's, which costs PostgreSQL more.
+        let failed = match self
+            .run_whole_batch(envelopes, members, keys, &claimed, uow)
+            .await
+        {
+            WholeBatch::Done(uow) => {
+                for &position in &claimed {
+                    outcomes[members[position]] = Some(Outcome::Completed);
+                }
+                return Ok(uow);
+            }
+            WholeBatch::Failed(failed) => failed,
+            WholeBatch::Lost(abandoned) => return Err(abandoned),
+        };
+        // Undone whole, claims included, and claimed again in a new
+        // transaction (meanwhile another batch may have completed a member:
+        // it is a duplicate now), then one message at a time. The turn is
+        // given back for the claim, as for the first: a batch of this queue
+        // that claimed a copy of a member while the claims were undone
+        // holds its row and waits for the turn, and would wait until
+        // `database.lock_timeout` for a claim made while holding it.
+        self.stats.add(Counter::BatchesSplit);
+        drop(running);
+        roll_back(failed).await?;
+        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
+        let _running = take_turn(lane).await?;
+        self.run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
+            .await
+    }
+
+    /// Opens the batch's unit of work and claims its members in one
+    /// statement; writes `Duplicate` for those already processed. Returns
+    /// the unit of work and the positions (in `members` and `keys`) of the
+    /// messages to process.
+    async fn claim(
+        &self,
+        members: &[usize],
+        keys: &[InboxKey],
+        outcomes: &mut [Option<Outcome>],
+    ) -> Result<(UnitOfWork, Vec<usize>), Abandoned> {
+        let mut uow = self.begin().await?;
+        let claiming = std::time::Instant::now();
+        let claims = self.store.try_begin_batch(&mut uow, keys).await;
+        self.claim_wait.record(claiming.elapsed().as_secs_f64());
+        let claims = match claims {
+            Ok(claims) => claims,
+            Err(e) => return Err(give_up(uow, Stage::InboxClaim, &e).await),
+        };
+        let mut claimed = Vec::with_capacity(members.len());
+        for (position, claim) in claims.into_iter().enumerate() {
+            match claim {
+                Claim::Proceed => claimed.push(position),
+                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
+            }
+        }
+        Ok((uow, claimed))
+    }
+
+    /// After the whole batch failed: runs each claimed message alone, after
+    /// a savepoint of its own, so that a failing one is undone alone and
+    /// the others commit. Fills in each one's outcome.
+    async fn run_each_alone(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        claimed: &[usize],
+        outcomes: &mut [Option<Outcome>],
+        mut uow: UnitOfWork,
+    ) -> Result<UnitOfWork, Abandoned> {
+        for &position in claimed {
+            let (i, key) = (members[position], &keys[position]);
+            let envelope = Arc::clone(&envelopes[i]);
+            let route = self.route(&envelope.event_type)?;
+            let saved = uow
+                .savepoint()
+                .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
+            let failure = match crate::actors::handler::handle(&route.one, envelope, saved).await {
+                Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
+                    Ok(()) => {
+                        outcomes[i] = Some(Outcome::Completed);
+                        uow = done;
+                        continue;
+                    }
+                    Err(e) => {
+                        uow = done;
+                        Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e))
+                    }
+                },
+                Ok(Handled::Failed {
+                    uow: Some(failed),
+                    failure,
+                }) => {
+                    uow = failed;
+                    failure.into()
+                }
+                // A panic (or a vanished actor) took the connection with it:
+                // this message has its failure, the others start over.
+                Ok(Handled::Failed { uow: None, failure }) => {
+                    outcomes[i] = Some(failure.into());
+                    return Err(Abandoned::new(
+                        Stage::Batch,
+                        "another message of the batch panicked",
+                    ));
+                }
+                Err(e) => return Err(Abandoned::new(Stage::HandlerCall, e)),
+            };
+            // This message alone is undone; the batch goes on.
+            uow = uow
+                .rollback_to_savepoint()
+                .await
+                .map_err(|e| Abandoned::database(Stage::RollbackToSavepoint, &e))?;
+            if let Err(e) = self.store.abandon(&mut uow, key).await {
+                return Err(Abandoned::database(Stage::InboxAbandon, &e));
+            }
+            outcomes[i] = Some(failure);
+        }
+        Ok(uow)
+    }
+
+    /// Runs the handlers on the claimed messages all at once, one
+    /// [`HandleBatch`] per event type in order of first appearance, then
+    /// records every message.
+    async fn run_whole_batch(
+        &self,
+        envelopes: &[Arc<Envelope>],
+        members: &[usize],
+        keys: &[InboxKey],
+        claimed: &[usize],
+        mut uow: UnitOfWork,
+    ) -> WholeBatch {
+        let mut by_type: Vec<(&str, Vec<Arc<Envelope>>)> = Vec::new();
+        for &position in claimed {
+            let envelope = &envelopes[members[position]];
+            match by_type.iter_mut().find(|(t, _)| *t == envelope.event_type) {
+                Some((_, group)) => group.push(Arc::clone(envelope)),
+                None => by_type.push((&envelope.event_type, vec![Arc::clone(envelope)])),
+            }
+        }
+        for (event_type, group) in by_type {
+            let route = match self.route(event_type) {
+                Ok(route) => route,
+                Err(abandoned) => return WholeBatch::Lost(abandoned),
+            };
+            let size = group.len();
+            match crate::actors::handler::handle_batch(&route.batch, group, uow).await {
+                Ok(Handled::Done(done)) => uow = done,
+                Ok(Handled::Failed {
+                    uow: Some(failed),
+                    failure,
+                }) => {
+                    tracing::debug!(
+                        size,
+                        ?failure,
+                        "the handlers failed on the batch; running its messages one at a time"
+                    );
+                    return WholeBatch::Failed(failed);
+                }
+                // A panic took the connection with it, and which message
+                // caused it is unknown: each starts over on its own.
+                Ok(Handled::Failed { uow: None, failure }) => {
+                    let reason = format!("a handler panicked on the batch: {failure:?}");
+                    return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
+                }
+                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerCall, e)),
+            }
+        }
+        for &position in claimed {
+            if let Err(e) = self.store.complete(&mut uow, &keys[position]).await {
+                tracing::debug!(error = %e, "recording the batch failed; running its messages one at a time");
+                return WholeBatch::Failed(uow);
+            }
+        }
+        WholeBatch::Done(uow)
+    }
+
+    /// The route of a type that had one when the batch was sorted.
+    fn route(&self, event_type: &str) -> Result<&Route, Abandoned> {
+        self.routes
+            .get(event_type)
+            .ok_or_else(|| Abandoned::new(Stage::Runtime, "route vanished"))
+    }
+}
+
+/// One of the queue's turns to run handlers (`queues[].concurrent_batches`).
+async fn take_turn(lane: &Semaphore) -> Result<tokio::sync::SemaphorePermit<'_>, Abandoned> {
+    lane.acquire()
+        .await
+        .map_err(|e| Abandoned::new(Stage::BatchTurn, e))
+}

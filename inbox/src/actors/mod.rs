@@ -1,0 +1,64 @@
+//! The actix actors that run the engine, and the runtime that wires them.
+//!
+//! How a message flows through the actors is drawn in `docs/guarantees.md`
+//! ("How a message flows").
+//!
+//! The actors, one file each, with the messages they take:
+//! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends `Deliver`
+//!   (or `DeliverBatch`) to the dedup actor, and carries out what the
+//!   failure policy (`crate::policy::decide`) makes of each `Outcome` (`settle.rs`): ack, hold,
+//!   retry, or move to a retry tier, `Q.error` or `Q.skipped`. Takes
+//!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
+//! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
+//!   inbox, sends `Handle` (or `HandleBatch`) to the event type's handler
+//!   actor, commits or rolls back on its `Handled` reply, replies the
+//!   `Outcome`.
+//! - `HandlerActor<E>` (`handler.rs`): the handlers of one event type; a
+//!   panic fails the message, and the actor restarts (`Restart`), building
+//!   anew the handlers registered with
+//!   [`handler_factory`](RuntimeBuilder::handler_factory).
+//! - `OutboxActor` (`outbox.rs`): dispatches the rows units of work staged
+//!   in `outbox_messages`, woken by commits (in process and through
+//!   `LISTEN`) and by its poll; samples the backlog. Takes
+//!   `StopDispatching` at shutdown.
+//! - [`RetentionActor`] (`retention.rs`): deletes inbox rows and dead outbox rows past
+//!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
+//!
+//! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
+//! queue's connection, and reconnecting it), `acks.rs` (the window of
+//! unsettled deliveries), `availability.rs` (the gate that waits out a
+//! database outage), `health.rs` (liveness and readiness), `monitor.rs`
+//! (the handle on health and stats), `metrics.rs` (what the runtime
+//! records through the `metrics` facade), `publisher.rs`, `stats.rs`,
+//! `runtime.rs`.
+
+mod acks;
+mod availability;
+mod batch;
+mod consumer;
+mod dedup;
+mod handler;
+mod health;
+mod link;
+pub mod metrics;
+mod monitor;
+mod outbox;
+mod publisher;
+mod retention;
+mod runtime;
+mod settle;
+mod stats;
+
+// What the crate's root offers a service.
+pub use health::{Health, Probe};
+pub use monitor::Monitor;
+pub use publisher::Publisher;
+/// Sweeping inbox rows now, rather than at the next `retention.interval`:
+/// send [`Sweep`] to [`Runtime::retention`].
+pub use retention::{RetentionActor, Sweep};
+pub use runtime::{Runtime, RuntimeBuilder, shutdown_signal};
+pub use stats::StatsSnapshot;
+
+// What this repository's tests and benches reach (`crate::internal`).
+pub use dedup::{DedupActor, Deliver, DeliverBatch};
+pub use stats::{Stats, latency_bound};

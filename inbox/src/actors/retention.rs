@@ -1,0 +1,114 @@
+//! [`RetentionActor`]: keeps `inbox_messages` from growing forever.
+//!
+//! Owns a handle on the pool and the `[retention]` settings. Every
+//! `retention.interval` it runs an [`crate::retention::sweep`] (one at a time in this
+//! instance; across instances the sweep's advisory lock lets one per
+//! database go, the others skip the round). Receives [`Sweep`] to sweep now,
+//! replying with the [`SweepReport`], and [`StopSweeping`]
+//! at shutdown. Sends nothing; records each sweep in [`Stats`]. The runtime
+//! starts it only while the inbox is on.
+
+use std::sync::Arc;
+
+use crate::retention::SweepReport;
+use crate::settings::RetentionSettings;
+use actix::prelude::*;
+use deadpool_postgres::Pool;
+
+use crate::actors::stats::Stats;
+
+/// Sweep now, whatever the interval says.
+#[derive(Debug, Message)]
+#[rtype(result = "crate::Result<SweepReport>")]
+pub struct Sweep;
+
+/// Stop sweeping (shutdown).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct StopSweeping;
+
+/// Deletes inbox rows past `retention.days`, every `retention.interval`.
+#[derive(Debug)]
+pub struct RetentionActor {
+    pool: Pool,
+    settings: RetentionSettings,
+    stats: Arc<Stats>,
+    sweeping: bool,
+}
+
+impl RetentionActor {
+    /// An actor sweeping `pool`'s database.
+    pub(crate) fn new(pool: Pool, settings: RetentionSettings, stats: Arc<Stats>) -> Self {
+        Self {
+            pool,
+            settings,
+            stats,
+            sweeping: false,
+        }
+    }
+
+    /// One sweep, logged and counted.
+    fn sweep(&mut self) -> impl ActorFuture<Self, Output = crate::Result<SweepReport>> + 'static {
+        self.sweeping = true;
+        let (pool, settings) = (self.pool.clone(), self.settings.clone());
+        async move { crate::retention::sweep(&pool, &settings).await }
+            .into_actor(self)
+            .map(|result, actor, _| {
+                actor.sweeping = false;
+                match &result {
+                    Ok(report) if report.swept => {
+                        actor.stats.record_sweep(report);
+                        tracing::info!(
+                            rows = report.rows,
+                            batches = report.batches,
+                            duration = ?report.duration,
+                            longest_batch = ?report.longest_batch,
+                            "retention sweep"
+                        );
+                    }
+                    Ok(report) => {
+                        actor.stats.record_sweep(report);
+                        tracing::debug!("another instance is sweeping this database; skipped this round");
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention sweep failed; the next round tries again")
+                    }
+                }
+                result
+            })
+    }
+}
+
+impl Actor for RetentionActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Once at start, so that a service redeployed more often than the
+        // interval still sweeps, and the row gauges are known at once;
+        // then every interval.
+        ctx.spawn(self.sweep().map(|_, _, _| ()));
+        ctx.run_interval(self.settings.interval, |actor, ctx| {
+            if !actor.sweeping {
+                ctx.spawn(actor.sweep().map(|_, _, _| ()));
+            }
+        });
+    }
+}
+
+impl actix::Handler<Sweep> for RetentionActor {
+    type Result = ResponseActFuture<Self, crate::Result<SweepReport>>;
+
+    fn handle(&mut self, _: Sweep, _ctx: &mut Context<Self>) -> Self::Result {
+        Box::pin(self.sweep())
+    }
+}
+
+impl actix::Handler<StopSweeping> for RetentionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: StopSweeping, ctx: &mut Context<Self>) {
+        // A sweep cut short here drops its lock guard, which closes the
+        // connection and with it the advisory lock.
+        ctx.stop();
+    }
+}

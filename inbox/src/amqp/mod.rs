@@ -1,0 +1,266 @@
+//! RabbitMQ: connections, the queues kept for each consumed queue, confirmed
+//! publishing, and replay from the error queue.
+//!
+//! For a consumed queue `Q` the runtime keeps `Q` itself, one retry tier
+//! `Q.retry.<n>` per `failure.delays` entry (messages wait out the delay,
+//! then dead-letter back to `Q`), `Q.error` (messages that failed every
+//! attempt, or can never succeed) and `Q.skipped` (no handler for their type).
+//!
+//! One concern a file: connecting here; `topology.rs` (the queues and
+//! exchanges, as this library and MassTransit declare them), `publisher.rs`
+//! (confirmed publishing, [`AmqpPublisher`]), `replay.rs` (moving set-aside
+//! messages back).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lapin::types::LongString;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use uuid::Uuid;
+
+use crate::envelope::JSON;
+use crate::error::{Error, Result};
+use crate::settings::Settings;
+
+mod publisher;
+mod replay;
+mod topology;
+
+pub use publisher::AmqpPublisher;
+pub use replay::{ReplayReport, SetAside, replay, replay_on};
+pub(crate) use topology::Declared;
+pub use topology::{bind_to_fanout, declare_queue, declare_topology, declare_wire_topology};
+
+/// AMQP `delivery_mode` for messages that survive a broker restart.
+pub(crate) const PERSISTENT: u8 = 2;
+
+pub use crate::names::{error_queue, retry_queue, skipped_queue};
+
+/// Which of `message_bus.amqp_urls` the next connection tries first: one
+/// counter for the process, so that its connections spread over the nodes
+/// of a cluster, and a reconnect starts at another node than the last.
+static NEXT_BROKER: AtomicUsize = AtomicUsize::new(0);
+
+/// Connects to the broker (`message_bus.amqp_urls`: the one URL, or the
+/// nodes of a cluster in turn). `name` shows in the broker's
+/// connection list.
+///
+/// Tries again for up to `message_bus.connect_timeout`: a broker that is
+/// down or unreachable at start is a WARN per attempt naming its host and
+/// port (never the password), then an error of kind [`Unreachable`](crate::ErrorKind::Unreachable), never a
+/// silent hang. With several nodes, a failed attempt moves on to the next
+/// node at once, each attempt bounded by its share of the timeout (a node
+/// whose packets vanish must not take all of it), and a pause that grows
+/// follows each round of them all. The connection logs the broker's
+/// `connection.blocked` (a memory or disk alarm: publishing stops) and
+/// `connection.unblocked`.
+///
+/// lapin's automatic recovery stays off: the runtime's own reconnect (a
+/// consumer whose connection ended, a publisher's) comes here, with one
+/// node or several (then it goes to the next node). One owner of
+/// reconnection, not two: with both, a consumer that gave up waiting for
+/// lapin's recovery and opened a new connection would find the old one
+/// recovered behind it too, consuming deliveries nobody settles.
+pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>> {
+    let urls = &settings.message_bus.amqp_urls;
+    if urls.is_empty() {
+        return Err(crate::settings::no_broker());
+    }
+    let timeout = settings.message_bus.connect_timeout;
+    let per_node = match urls.len() {
+        1 => timeout,
+        n => (timeout / n as u32).max(MIN_NODE_ATTEMPT),
+    };
+    let started = std::time::Instant::now();
+    let mut backoff = crate::backoff::Backoff::new(FIRST_CONNECT_PAUSE, MAX_CONNECT_PAUSE);
+    let mut next = NEXT_BROKER.fetch_add(1, Ordering::Relaxed);
+    let mut tried_in_round = 0;
+    loop {
+        let index = next % urls.len();
+        let url = urls[index].as_str();
+        next = next.wrapping_add(1);
+        tried_in_round += 1;
+        let endpoint = crate::settings::broker_endpoint(url);
+        let left = timeout.saturating_sub(started.elapsed());
+        let properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
+        // A setting that cannot work (a CA file that cannot be read) fails
+        // the connection at once, naming it.
+        let target = Target::of(settings, index)?;
+        // Reach the port first, so that each failure is seen and logged
+        // here, with the host it concerns.
+        let connecting = async {
+            reach(&target.uri).await.map_err(Failure::Retry)?;
+            target
+                .connect(properties)
+                .await
+                .map_err(|e| match crate::tls::failure(&e) {
+                    Some(tls) => Failure::Tls(crate::tls::explain(tls)),
+                    None => Failure::Retry(crate::error::describe(&e)),
+                })
+        };
+        let limit = left.min(per_node);
+        let cause = match tokio::time::timeout(limit, connecting).await {
+            Ok(Ok(connection)) => {
+                if urls.len() > 1 {
+                    tracing::info!(broker = %endpoint, connection = name, "connected");
+                }
+                log_alarms(&connection, name, &endpoint);
+                return Ok(Arc::new(connection));
+            }
+            // Trying again would meet the same certificate: this is the
+            // settings' to fix (or the broker's), not an outage to wait out.
+            Ok(Err(Failure::Tls(reason))) => {
+                return Err(Error::new(
+                    crate::ErrorKind::Broker,
+                    format!("cannot connect to the broker {endpoint} over TLS: {reason}"),
+                ));
+            }
+            Ok(Err(Failure::Retry(cause))) => cause,
+            Err(_) => format!("no answer within {}", humantime::format_duration(limit)),
+        };
+        let remaining = timeout.saturating_sub(started.elapsed());
+        if remaining.is_zero() {
+            return Err(Error::unreachable(
+                "broker",
+                if urls.len() == 1 {
+                    endpoint
+                } else {
+                    settings.broker_endpoint()
+                },
+                timeout,
+                "message_bus.connect_timeout",
+                cause,
+            ));
+        }
+        if tried_in_round < urls.len() {
+            tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying the next node");
+            continue;
+        }
+        tried_in_round = 0;
+        let pause = backoff.next_pause().min(remaining);
+        tracing::warn!(broker = %endpoint, connection = name, %cause, "cannot connect to the broker; trying again in {pause:?}");
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Why one connection attempt failed.
+enum Failure {
+    /// The broker could not be reached or did not let us in: worth another
+    /// attempt (with the cause, for the log).
+    Retry(String),
+    /// TLS failed (the broker's certificate, or ours): another attempt
+    /// would fail alike.
+    Tls(String),
+}
+
+/// One broker of `message_bus.amqp_urls`, as a connection reaches it: its
+/// URI (the password of `message_bus.password` or `password_file` in it,
+/// no TLS parameter left), and for `amqps://` the TLS configuration and
+/// the name its certificate must carry.
+struct Target {
+    uri: lapin::uri::AMQPUri,
+    tls: Option<(Arc<rustls::ClientConfig>, String)>,
+}
+
+impl Target {
+    /// The `index`th broker of `settings`. Reads the TLS files now, so that
+    /// a rotated certificate is taken by the next connection.
+    fn of(settings: &Settings, index: usize) -> Result<Self> {
+        let bus = &settings.message_bus;
+        let url = &bus.amqp_urls[index];
+        let key = || format!("message_bus.amqp_urls[{index}]");
+        let mut uri: lapin::uri::AMQPUri = crate::settings::without_amqp_tls_params(url)
+            .parse()
+            .map_err(|e| Error::setting(&key(), format!("not an AMQP URL: {e}")))?;
+        if let Some(password) = bus.secret_password()? {
+            uri.authority.userinfo.password = password;
+        }
+        let tls = match uri.scheme {
+            lapin::uri::AMQPScheme::AMQP => None,
+            lapin::uri::AMQPScheme::AMQPS => {
+                let tls = crate::settings::BrokerTls::of(url, index, bus)?;
+                let config = crate::tls::client_config(&tls.verify(), tls.identity()?.as_ref())?;
+                let name = tls.server_name.unwrap_or_else(|| uri.authority.host.clone());
+                Some((config, name))
+            }
+        };
+        Ok(Self { uri, tls })
+    }
+
+    /// Opens the connection: over TLS with this library's configuration
+    /// for `amqps://` (lapin's own would trust other CAs, and verify the
+    /// URL's host only).
+    async fn connect(self, properties: ConnectionProperties) -> lapin::Result<Connection> {
+        let Some((config, server_name)) = self.tls else {
+            return Connection::connect_uri(self.uri, properties).await;
+        };
+        use lapin::tcp::AMQPUriTcpExt;
+        let connector = lapin::tcp::RustlsConnector::from(config);
+        let runtime = lapin::runtime::default_runtime()?;
+        Connection::connector(
+            self.uri,
+            runtime,
+            async move |uri, runtime| {
+                // The TCP connection as for amqp://, then the handshake.
+                let mut plain = uri;
+                plain.scheme = lapin::uri::AMQPScheme::AMQP;
+                let stream = plain.connect_async(&runtime).await?;
+                Ok(stream.into_rustls(&connector, &server_name).await?)
+            },
+            properties,
+        )
+        .await
+    }
+}
+
+/// Opens (and closes) a TCP connection to the broker `uri` names.
+async fn reach(uri: &lapin::uri::AMQPUri) -> std::result::Result<(), String> {
+    let address = (uri.authority.host.as_str(), uri.authority.port);
+    tokio::net::TcpStream::connect(address)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// The least time one attempt on one node of several may take.
+const MIN_NODE_ATTEMPT: Duration = Duration::from_secs(2);
+
+/// The first pause between connection attempts; doubled up to
+/// [`MAX_CONNECT_PAUSE`].
+pub(crate) const FIRST_CONNECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+pub(crate) const MAX_CONNECT_PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Logs the broker's resource alarms as they reach `connection`: while one
+/// lasts, the broker takes no publishes (moves to retry tiers and the error
+/// queue wait, then hand their message back).
+fn log_alarms(connection: &Connection, name: &str, endpoint: &str) {
+    use futures_util::StreamExt;
+    use lapin::Event;
+    let mut events = connection.events_listener();
+    let (name, endpoint) = (name.to_owned(), endpoint.to_owned());
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            match event {
+                Event::ConnectionBlocked(reason) => tracing::warn!(
+                    broker = %endpoint, connection = %name, %reason,
+                    "the broker blocked the connection (a resource alarm): publishing waits until it lifts"
+                ),
+                Event::ConnectionUnblocked => {
+                    tracing::warn!(broker = %endpoint, connection = %name, "the broker unblocked the connection")
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
+/// The properties of a message the runtime publishes: its id as
+/// `message_id`, its type as `type`, JSON content and persistent delivery.
+pub(crate) fn message_properties(message_id: Uuid, message_type: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(message_id.to_string().into())
+        .with_type(message_type.into())
+        .with_content_type(JSON.into())
+        .with_delivery_mode(PERSISTENT)
+}

@@ -1,0 +1,447 @@
+//! The queues and exchanges kept for a consumed queue, as this library
+//! declares them and as MassTransit does (`message_bus.wire`).
+
+use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ExchangeKind};
+
+use crate::error::{Error, Result};
+use crate::settings::{FailureSettings, MAX_DELIVERY_LIMIT, QueueKind, QueueSettings, Wire};
+
+/// Declares `Q`, its retry tiers, `Q.error` and `Q.skipped`: durable, of the
+/// queue's kind. Idempotent; a queue that exists with other arguments is an
+/// error of kind [`Topology`](crate::ErrorKind::Topology) naming it and the difference.
+///
+/// No queue of these can drop a message on RabbitMQ 4, where a quorum queue
+/// without a delivery limit gets one of 20 and drops past it:
+/// - `Q` dead-letters to `Q.error`, past `queues[].delivery_limit`
+///   deliveries (quorum only: classic queues count none);
+/// - `Q.error` and `Q.skipped` are never consumed by the runtime, and their
+///   limit is the highest the broker takes, so that inspecting them by hand
+///   (get and requeue) cannot spend it;
+/// - the retry tiers are never consumed at all: their messages leave by
+///   expiring, dead-lettered back to `Q`.
+pub async fn declare_topology(
+    channel: &Channel,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+) -> Result<()> {
+    declare_queues(channel, queue, failure, Wire::Inbox, &[]).await
+}
+
+/// What guards a consumed queue against a message that crashes its
+/// consumer at every delivery, as [`declare_wire_topology`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    /// Whether the broker dead-letters such a message to the error queue
+    /// past `queues[].delivery_limit` deliveries: a quorum queue with the
+    /// runtime's arguments. Otherwise (a classic queue, or one another
+    /// client declared) the runtime counts the deliveries the broker marks
+    /// redelivered and sets the message aside itself.
+    pub broker_limits_deliveries: bool,
+    /// An existing queue with other arguments than the runtime's, used as
+    /// it is (MassTransit's wire only): what it was found to be.
+    pub adopted: Option<Adopted>,
+}
+
+/// An existing `Q` with arguments of another client's, as far as the
+/// runtime can tell them (AMQP has no way to read a queue's arguments: the
+/// runtime tries declaring it as MassTransit 8.5 would).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adopted {
+    /// Classic, no arguments: MassTransit's default receive endpoint
+    /// (RMQ/RabbitMqTransport/Configuration/RabbitMqReceiveEndpointBuilder.cs,
+    /// RabbitMqQueueConfigurator.cs: an empty argument table).
+    Classic,
+    /// `x-queue-type: quorum` alone: MassTransit's `SetQuorumQueue()`
+    /// (RabbitMqQueueConfigurator.cs `SetQuorumQueue`).
+    Quorum,
+    /// Some other arguments, unknown to the runtime.
+    Other,
+}
+
+impl Adopted {
+    /// The arguments MassTransit declares `Q_error` and `Q_skipped` with
+    /// for such a `Q`: a copy of `Q`'s own (RMQ/RabbitMqTransport/Topology/
+    /// RabbitMqErrorSettings.cs, RabbitMqDeadLetterSettings.cs). `None`
+    /// when unknown.
+    fn set_aside_arguments(self) -> Option<FieldTable> {
+        match self {
+            Adopted::Classic => Some(FieldTable::default()),
+            Adopted::Quorum => Some(quorum_type()),
+            Adopted::Other => None,
+        }
+    }
+
+    /// What the queue's kind leaves unguarded, for the start's log.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Adopted::Classic => {
+                "a classic queue without arguments (as MassTransit declares one): the broker neither limits \
+                 a message's deliveries nor dead-letters it"
+            }
+            Adopted::Quorum => {
+                "a quorum queue without a delivery limit or dead-lettering (as MassTransit's SetQuorumQueue \
+                 declares one): RabbitMQ 3.x redelivers a message without end, and RabbitMQ 4.x drops it \
+                 after 20 deliveries"
+            }
+            Adopted::Other => {
+                "a queue with arguments the runtime does not know: whether the broker limits a message's \
+                 deliveries is unknown"
+            }
+        }
+    }
+}
+
+/// Declares the topology of `queue` for `wire` over `connection`, as
+/// [`declare_wire_topology`] does, and says what guards the queue.
+///
+/// On MassTransit's wire, a `Q` that exists with other arguments (declared
+/// by a MassTransit consumer, as a team moving one consumer to Rust finds
+/// it) is used as it is, never declared again with others: the broker
+/// would refuse (`PRECONDITION_FAILED`), and a MassTransit consumer still
+/// on the queue would then be refused in turn. `Q_error` and `Q_skipped`
+/// that exist are used as they are too; those that do not are declared as
+/// MassTransit would declare them for that `Q`, so that its tools and its
+/// consumers go on working beside the runtime. When nothing exists, the
+/// runtime's own queues are declared.
+pub async fn declare_wire_topology(
+    connection: &Connection,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+    wire: Wire,
+    message_types: &[&str],
+) -> Result<Declared> {
+    let quorum = queue.kind == QueueKind::Quorum;
+    let adopted = match wire {
+        Wire::Inbox => None,
+        Wire::Masstransit => adopt(connection, queue).await?,
+    };
+    let channel = connection.create_channel().await.map_err(Error::client)?;
+    match adopted {
+        None if wire == Wire::Inbox => declare_queues(&channel, queue, failure, wire, message_types).await?,
+        // `Q` is the runtime's (the first try declared it): so are its
+        // other queues, but for a `Q_error` or `Q_skipped` a MassTransit
+        // consumer declared before, used as it is.
+        None => {
+            declare_retry_tiers(&channel, queue, failure, wire).await?;
+            for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
+                if !equivalent(connection, &set_aside, set_aside_arguments(queue.kind)).await? {
+                    tracing::info!(queue = %set_aside, "exists with another client's arguments; used as it is");
+                }
+            }
+            declare_masstransit_exchanges(&channel, queue, wire, message_types).await?;
+        }
+        Some(shape) => {
+            declare_retry_tiers(&channel, queue, failure, wire).await?;
+            for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
+                if !exists(connection, &set_aside).await? {
+                    let Some(arguments) = shape.set_aside_arguments() else {
+                        return Err(Error::topology(
+                            set_aside,
+                            format!(
+                                "it does not exist, and `{}` has arguments the runtime does not know, so it \
+                                 cannot be declared as MassTransit would: declare it as MassTransit does (a \
+                                 copy of the queue's arguments) before starting",
+                                queue.name
+                            ),
+                        ));
+                    };
+                    declare(&channel, &set_aside, arguments).await?;
+                }
+            }
+            declare_masstransit_exchanges(&channel, queue, wire, message_types).await?;
+        }
+    }
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(Declared {
+        broker_limits_deliveries: quorum && adopted.is_none(),
+        adopted,
+    })
+}
+
+/// On MassTransit's wire: `None` when `Q` is the runtime's (declared now,
+/// or earlier with the same arguments); otherwise what the existing `Q`
+/// was found to be. Each try is a declare on a channel of its own, since
+/// the broker closes the channel of a declare it refuses.
+async fn adopt(connection: &Connection, queue: &QueueSettings) -> Result<Option<Adopted>> {
+    if equivalent(connection, &queue.name, main_arguments(queue, Wire::Masstransit)).await? {
+        return Ok(None);
+    }
+    // The quorum form first: RabbitMQ 4 may take a classic declare for a
+    // quorum queue.
+    if equivalent(connection, &queue.name, quorum_type()).await? {
+        return Ok(Some(Adopted::Quorum));
+    }
+    if equivalent(connection, &queue.name, FieldTable::default()).await? {
+        return Ok(Some(Adopted::Classic));
+    }
+    Ok(Some(Adopted::Other))
+}
+
+/// Declares `queue` with `arguments` on a channel of its own: `true` if it
+/// is declared (or exists with the same ones), `false` if it exists with
+/// others.
+async fn equivalent(connection: &Connection, queue: &str, arguments: FieldTable) -> Result<bool> {
+    let channel = connection.create_channel().await.map_err(Error::client)?;
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel.queue_declare(queue.into(), options, arguments).await {
+        Ok(_) => {
+            let _ = channel.close(200, "declared".into()).await;
+            Ok(true)
+        }
+        Err(e) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => Ok(false),
+        Err(e) => Err(Error::topology(queue.to_owned(), crate::error::describe(&e))),
+    }
+}
+
+/// Whether `queue` exists (a passive declare on a channel of its own).
+async fn exists(connection: &Connection, queue: &str) -> Result<bool> {
+    let channel = connection.create_channel().await.map_err(Error::client)?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "looked".into()).await;
+            Ok(true)
+        }
+        Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(false),
+        Err(e) => Err(Error::topology(queue.to_owned(), crate::error::describe(&e))),
+    }
+}
+
+/// Whether `error` is the broker closing the channel with `soft`.
+fn is_soft(error: &lapin::Error, soft: AMQPSoftError) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.kind() == &AMQPErrorKind::Soft(soft))
+}
+
+fn quorum_type() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), text("quorum"));
+    arguments
+}
+
+/// `Q`'s arguments as the runtime declares it: its kind, dead-lettering to
+/// the error queue and, on a quorum queue, the delivery limit.
+fn main_arguments(queue: &QueueSettings, wire: Wire) -> FieldTable {
+    let mut main = base_arguments(queue.kind);
+    dead_letter_to(&mut main, queue.kind, &wire.error_queue(&queue.name));
+    limit(&mut main, queue.kind, queue.delivery_limit);
+    main
+}
+
+/// The arguments of the runtime's `Q.error` and `Q.skipped`: never consumed
+/// by the runtime, their limit the highest the broker takes, so that
+/// inspecting them by hand (get and requeue) cannot spend it.
+fn set_aside_arguments(kind: QueueKind) -> FieldTable {
+    let mut arguments = base_arguments(kind);
+    limit(&mut arguments, kind, MAX_DELIVERY_LIMIT);
+    arguments
+}
+
+fn base_arguments(kind: QueueKind) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    let kind = if kind == QueueKind::Quorum {
+        "quorum"
+    } else {
+        "classic"
+    };
+    arguments.insert("x-queue-type".into(), text(kind));
+    arguments
+}
+
+/// Dead-lettering to `to`: at-least-once for quorum queues, where
+/// at-most-once could drop the message on a broker fault.
+fn dead_letter_to(arguments: &mut FieldTable, kind: QueueKind, to: &str) {
+    arguments.insert("x-dead-letter-exchange".into(), text(""));
+    arguments.insert("x-dead-letter-routing-key".into(), text(to));
+    if kind == QueueKind::Quorum {
+        arguments.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+        arguments.insert("x-overflow".into(), text("reject-publish"));
+    }
+}
+
+fn limit(arguments: &mut FieldTable, kind: QueueKind, limit: u32) {
+    if kind == QueueKind::Quorum {
+        arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit.into()));
+    }
+}
+
+/// [`declare_topology`] with `wire`'s names. For [`Wire::Masstransit`],
+/// also the exchanges MassTransit 8 declares for a receive endpoint
+/// (RMQ/RabbitMqTransport/Configuration/RabbitMqReceiveEndpointBuilder.cs,
+/// Topology/RabbitMqMessageConsumeTopology.cs at v8.5.8): a durable fanout
+/// exchange named like `Q` and bound to it; one per type of
+/// `message_types` (`Namespace:Type`), bound to exchange `Q`, so that a
+/// MassTransit producer publishing the type reaches `Q` with no other
+/// setup; and `Q_error` and `Q_skipped` each behind an exchange of its
+/// name, where MassTransit's tools look.
+async fn declare_queues(
+    channel: &Channel,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+    wire: Wire,
+    message_types: &[&str],
+) -> Result<()> {
+    declare(channel, &queue.name, main_arguments(queue, wire)).await?;
+    declare_retry_tiers(channel, queue, failure, wire).await?;
+    for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
+        declare(channel, &set_aside, set_aside_arguments(queue.kind)).await?;
+    }
+    declare_masstransit_exchanges(channel, queue, wire, message_types).await
+}
+
+/// The retry tiers `Q.retry.<n>` (`Q_retry_<n>`): the runtime's own, each
+/// expiring its messages back to `Q` after its delay.
+async fn declare_retry_tiers(
+    channel: &Channel,
+    queue: &QueueSettings,
+    failure: &FailureSettings,
+    wire: Wire,
+) -> Result<()> {
+    for (i, delay) in failure.delays.iter().enumerate() {
+        let mut arguments = base_arguments(queue.kind);
+        // Settings validation keeps every delay within 32 bits of milliseconds.
+        arguments.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(delay.as_millis() as i64),
+        );
+        dead_letter_to(&mut arguments, queue.kind, &queue.name);
+        declare(channel, &wire.retry_queue(&queue.name, i + 1), arguments).await?;
+    }
+    Ok(())
+}
+
+/// On MassTransit's wire, the exchanges of its receive endpoint: `Q`'s,
+/// `Q_error`'s and `Q_skipped`'s, each bound to its queue, and one per
+/// message type bound to `Q`'s. Declared as MassTransit declares them, so
+/// declaring them again where MassTransit did is no change.
+async fn declare_masstransit_exchanges(
+    channel: &Channel,
+    queue: &QueueSettings,
+    wire: Wire,
+    message_types: &[&str],
+) -> Result<()> {
+    if wire != Wire::Masstransit {
+        return Ok(());
+    }
+    for message_type in message_types {
+        crate::limits::check_name("message type", message_type).map_err(|reason| {
+            Error::exchange(crate::fault::truncate(message_type, 64).into_owned(), reason)
+        })?;
+    }
+    for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
+        fanout_exchange(channel, &set_aside).await?;
+        bind_queue(channel, &set_aside, &set_aside).await?;
+    }
+    fanout_exchange(channel, &queue.name).await?;
+    bind_queue(channel, &queue.name, &queue.name).await?;
+    for message_type in message_types {
+        fanout_exchange(channel, message_type).await?;
+        bind_exchange(channel, message_type, &queue.name).await?;
+    }
+    Ok(())
+}
+
+/// Binds `queue` to the durable fanout exchange `exchange`, declaring the
+/// exchange: how a MassTransit consumer of a message type receives what is
+/// published to the type's exchange (`Namespace:Type`).
+pub async fn bind_to_fanout(channel: &Channel, queue: &str, exchange: &str) -> Result<()> {
+    crate::limits::check_name("exchange", exchange)
+        .map_err(|reason| Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason))?;
+    fanout_exchange(channel, exchange).await?;
+    bind_queue(channel, queue, exchange).await
+}
+
+/// Binds exchange `source` to exchange `destination`: what `source` takes,
+/// `destination` takes too.
+pub(super) async fn bind_exchange(channel: &Channel, source: &str, destination: &str) -> Result<()> {
+    channel
+        .exchange_bind(
+            destination.into(),
+            source.into(),
+            "".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            Error::exchange(
+                source.to_owned(),
+                format!(
+                    "binding it to exchange `{destination}`: {}",
+                    crate::error::describe(&e)
+                ),
+            )
+        })
+}
+
+/// Declares a durable fanout exchange named `name`, as MassTransit does
+/// for its endpoints and message types.
+pub(super) async fn fanout_exchange(channel: &Channel, name: &str) -> Result<()> {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(name.into(), ExchangeKind::Fanout, options, FieldTable::default())
+        .await
+        .map_err(|e| Error::exchange(name.to_owned(), crate::error::describe(&e)))
+}
+
+/// Binds `queue` to the fanout `exchange`.
+async fn bind_queue(channel: &Channel, queue: &str, exchange: &str) -> Result<()> {
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            Error::topology(
+                queue.to_owned(),
+                format!(
+                    "binding it to exchange `{exchange}`: {}",
+                    crate::error::describe(&e)
+                ),
+            )
+        })
+}
+
+/// Declares `queue` durable, of `kind`, with no other argument: a queue the
+/// service's own messages go to (the outbox's destinations, say).
+/// Idempotent.
+pub async fn declare_queue(channel: &Channel, queue: &str, kind: QueueKind) -> Result<()> {
+    declare(channel, queue, base_arguments(kind)).await
+}
+
+async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) -> Result<()> {
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), options, arguments)
+        .await
+        .map_err(|e| Error::topology(queue.to_owned(), format!(
+                "{e} (a queue that exists with other arguments must be re-declared, or the settings changed to \
+                 match it: docs/operations.md, \"Upgrading queues\")"
+            )))?;
+    Ok(())
+}
+
+fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(value.into())
+}

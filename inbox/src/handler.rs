@@ -1,0 +1,116 @@
+//! Event handlers: user code that runs inside a message's unit of work.
+
+use std::future::Future;
+
+use futures_util::future::BoxFuture;
+
+use crate::error::HandlerError;
+use crate::event::IntegrationEvent;
+use crate::unit_of_work::UnitOfWork;
+
+/// Handles one event type. Every handler registered for a type runs, in
+/// registration order, inside the same [`UnitOfWork`]: they commit together
+/// with the inbox row or not at all.
+///
+/// Returning an error (or panicking) abandons the message: the whole unit of
+/// work rolls back and the message goes back to the broker. Writes made
+/// through `uow` happen exactly once; anything else (another database, an
+/// HTTP call) can happen again on a redelivery, so make it idempotent.
+///
+/// ```
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct AttendeeCheckedIn { attendee_id: i64, session_id: i64 }
+/// # impl inbox::IntegrationEvent for AttendeeCheckedIn { const TYPE: &'static str = "AttendeeCheckedIn"; }
+/// use inbox::{EventHandler, HandlerError, UnitOfWork};
+///
+/// struct CountCheckins;
+///
+/// impl EventHandler<AttendeeCheckedIn> for CountCheckins {
+///     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+///         uow.client()
+///             .execute(
+///                 "INSERT INTO attendee_checkins VALUES ($1, 1)
+///                  ON CONFLICT (attendee_id) DO UPDATE SET checkins = attendee_checkins.checkins + 1",
+///                 &[&event.attendee_id],
+///             )
+///             .await?;
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
+    /// Applies `event` through `uow`.
+    fn handle(
+        &self,
+        event: &E,
+        uow: &mut UnitOfWork,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Applies several events through one `uow`, in delivery order: the
+    /// messages of one batch (`queues[].batch_size` above 1). The default
+    /// calls [`handle`](Self::handle) for each event.
+    ///
+    /// Override it to write a whole batch in a few set-based statements
+    /// instead of a few statements per event: that is what makes batches
+    /// fast. It must have the same effect as `handle` for each event in
+    /// turn, because a failure makes the runtime roll the batch back and run
+    /// its messages again one at a time through `handle`, each after a
+    /// savepoint of its own: the failing message is isolated and takes its
+    /// failure path alone, the others commit. When several handlers are
+    /// registered, each handles the whole batch before the next starts.
+    fn handle_batch(
+        &self,
+        events: &[E],
+        uow: &mut UnitOfWork,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        async move {
+            for event in events {
+                self.handle(event, uow).await?;
+            }
+            Ok(())
+        }
+    }
+
+    /// The name logs and fault reports use. Default: the Rust type name.
+    fn name(&self) -> &'static str {
+        std::any::type_name::<Self>()
+    }
+}
+
+/// [`EventHandler`] in a form that can be stored as `dyn`; implemented for
+/// every handler.
+pub(crate) trait DynEventHandler<E>: Send + Sync + 'static {
+    /// See [`EventHandler::handle`].
+    fn handle<'a>(&'a self, event: &'a E, uow: &'a mut UnitOfWork)
+    -> BoxFuture<'a, Result<(), HandlerError>>;
+    /// See [`EventHandler::handle_batch`].
+    fn handle_batch<'a>(
+        &'a self,
+        events: &'a [E],
+        uow: &'a mut UnitOfWork,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+    /// See [`EventHandler::name`].
+    fn name(&self) -> &'static str;
+}
+
+impl<E: IntegrationEvent, H: EventHandler<E>> DynEventHandler<E> for H {
+    fn handle<'a>(
+        &'a self,
+        event: &'a E,
+        uow: &'a mut UnitOfWork,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(EventHandler::handle(self, event, uow))
+    }
+
+    fn handle_batch<'a>(
+        &'a self,
+        events: &'a [E],
+        uow: &'a mut UnitOfWork,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(EventHandler::handle_batch(self, events, uow))
+    }
+
+    fn name(&self) -> &'static str {
+        EventHandler::name(self)
+    }
+}

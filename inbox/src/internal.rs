@@ -1,0 +1,71 @@
+//! What this repository's tests, benches and examples reach below the API
+//! (feeding the dedup actor directly, the live counters, the broker's and
+//! the outbox's parts, the wire formats): hidden from the documentation,
+//! not part of the API, and under no semver promise.
+
+pub use crate::actors::{DedupActor, Deliver, DeliverBatch, Stats, latency_bound};
+pub use crate::context::{CAUSATION_ID, CORRELATION_ID};
+pub use crate::db::create_pool;
+pub use crate::envelope::Envelope;
+pub use crate::error::describe;
+pub use crate::migrations::{migrate, run_migrations};
+pub use crate::outbox::{Outgoing, Sink, dispatch};
+pub use crate::policy::{Abandoned, Outcome};
+pub use crate::retention::sweep;
+
+pub use ::deadpool_postgres;
+
+/// A unit of work on `connection`, as the runtime opens one (the tests of
+/// its guard against pooling an open transaction).
+pub async fn begin(connection: deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {
+    crate::UnitOfWork::begin(connection).await
+}
+pub use ::lapin;
+
+/// The broker: connecting, declaring, publishing, replaying.
+pub mod amqp {
+    pub use crate::amqp::{
+        AmqpPublisher, SetAside, bind_to_fanout, connect, declare_queue, declare_topology,
+        declare_wire_topology, error_queue, replay, replay_on, retry_queue, skipped_queue,
+    };
+}
+
+/// The fault headers a set-aside copy carries.
+pub mod fault {
+    pub use crate::fault::{FailureHistory, Fault, MAX_REASON_BYTES, headers};
+}
+
+/// MassTransit's envelope and names.
+pub mod masstransit {
+    pub use crate::masstransit::{
+        ENVELOPE_CONTENT_TYPE, FAULT_EXCHANGE, RAW_JSON_CONTENT_TYPE, decode, fault_exchange, headers,
+        message_urn, properties,
+    };
+}
+
+/// The outbox's parts a test watches.
+pub mod outbox {
+    pub use crate::outbox::{backlog, retry_dead};
+}
+
+/// W3C trace context in AMQP headers, as the runtime reads and writes it.
+pub mod trace {
+    use lapin::types::FieldTable;
+
+    use crate::TraceContext;
+
+    /// `traceparent` (and `tracestate`), if valid.
+    pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<TraceContext> {
+        TraceContext::parse(traceparent, tracestate)
+    }
+
+    /// The trace context `headers` carry, if valid.
+    pub fn read(headers: &FieldTable) -> Option<TraceContext> {
+        TraceContext::from_headers(headers)
+    }
+
+    /// Writes `trace` into `headers`.
+    pub fn write(trace: &TraceContext, headers: &mut FieldTable) {
+        trace.insert_into(headers);
+    }
+}

@@ -1,0 +1,1362 @@
+//! MassTransit's wire format on RabbitMQ, as version 8.5 writes and reads
+//! it (`message_bus.wire = "masstransit"`).
+//!
+//! Every fact here was read in MassTransit's source at tag v8.5.8 (commit
+//! c1e5caa9; 8.5.0 to 8.5.8 do not differ in these files); each item names
+//! its file. Paths are under `src/`: `MassTransit.Abstractions/` (ABS),
+//! `MassTransit/` (MT), `Transports/MassTransit.RabbitMqTransport/` (RMQ).
+//! Nothing is taken from MassTransit 9.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+/// The content type of MassTransit's default serializer, the JSON
+/// envelope (MT/Serialization/SystemTextJsonMessageSerializer.cs,
+/// `JsonContentType`). MassTransit sets it as the AMQP `content_type`
+/// (RMQ/RabbitMqTransport/RabbitMqSendTransportContext.cs).
+pub const ENVELOPE_CONTENT_TYPE: &str = "application/vnd.masstransit+json";
+
+/// The content type of MassTransit's raw JSON serializer: the body is the
+/// message alone, its metadata in headers
+/// (MT/Serialization/SystemTextJsonRawMessageSerializer.cs).
+pub const RAW_JSON_CONTENT_TYPE: &str = "application/json";
+
+/// The prefix of a message type's URN (ABS/MessageUrn.cs, `Prefix`).
+pub(crate) const URN_PREFIX: &str = "urn:message:";
+
+/// The headers MassTransit reads and writes (ABS/MessageHeaders.cs).
+pub mod headers {
+    /// Why a message was moved: [`REASON_FAULT`] to `Q_error`,
+    /// [`REASON_DEAD_LETTER`] to `Q_skipped`.
+    pub(crate) const REASON: &str = "MT-Reason";
+    /// `MT-Reason` of a message moved to the error queue
+    /// (MT/Middleware/Rescue/RescueExceptionReceiveContext.cs via
+    /// ABS/Contexts/SendContextExtensions.cs `SetExceptionHeaders`).
+    pub(crate) const REASON_FAULT: &str = "fault";
+    /// `MT-Reason` of a message no consumer took, moved to the skipped
+    /// queue (MT/Middleware/DeadLetterTransportFilter.cs).
+    pub(crate) const REASON_DEAD_LETTER: &str = "dead-letter";
+    /// The exception's type name (`System.InvalidOperationException`).
+    pub(crate) const FAULT_EXCEPTION_TYPE: &str = "MT-Fault-ExceptionType";
+    /// The exception's message, at most 2,048 characters.
+    pub(crate) const FAULT_MESSAGE: &str = "MT-Fault-Message";
+    /// When it failed: `DateTime.UtcNow.ToString("O")`
+    /// (`2025-06-20T13:10:25.1234567Z`).
+    pub(crate) const FAULT_TIMESTAMP: &str = "MT-Fault-Timestamp";
+    /// The stack trace, at most 2,048 characters (may be empty).
+    pub(crate) const FAULT_STACK_TRACE: &str = "MT-Fault-StackTrace";
+    /// The input address of the endpoint it failed on.
+    pub(crate) const FAULT_INPUT_ADDRESS: &str = "MT-Fault-InputAddress";
+    /// The consumer that failed (its dotted type name).
+    pub(crate) const FAULT_CONSUMER_TYPE: &str = "MT-Fault-ConsumerType";
+    /// The message type it failed as (its dotted type name).
+    pub(crate) const FAULT_MESSAGE_TYPE: &str = "MT-Fault-MessageType";
+    /// In-process retries before it faulted; an integer, only when above 0.
+    pub(crate) const FAULT_RETRY_COUNT: &str = "MT-Fault-RetryCount";
+    /// Delayed redeliveries so far (an integer), in the envelope's and the
+    /// AMQP headers (ABS/Contexts/SendContextExtensions.cs
+    /// `ApplyRedeliveryOptions`).
+    pub(crate) const REDELIVERY_COUNT: &str = "MT-Redelivery-Count";
+    /// The headers a move to `Q_error`, `Q_skipped` or a delay tier
+    /// writes: what a replay removes, so that the failure policy starts
+    /// afresh.
+    pub(crate) const SET_ASIDE: [&str; 11] = [
+        REASON,
+        FAULT_EXCEPTION_TYPE,
+        FAULT_MESSAGE,
+        FAULT_TIMESTAMP,
+        FAULT_STACK_TRACE,
+        FAULT_INPUT_ADDRESS,
+        FAULT_CONSUMER_TYPE,
+        FAULT_MESSAGE_TYPE,
+        FAULT_RETRY_COUNT,
+        REDELIVERY_COUNT,
+        "MT-Fault-RedeliveryCount",
+    ];
+    /// The host that moved a message to `Q_error` or `Q_skipped`
+    /// ([`stamp_host`](super::stamp_host)): what a replay removes too.
+    pub(crate) const HOST: [&str; 8] = [
+        "MT-Host-MachineName",
+        "MT-Host-ProcessName",
+        "MT-Host-ProcessId",
+        "MT-Host-Assembly",
+        "MT-Host-AssemblyVersion",
+        "MT-Host-MassTransitVersion",
+        "MT-Host-FrameworkVersion",
+        "MT-Host-OperatingSystemVersion",
+    ];
+    /// Raw JSON: the message id.
+    pub(crate) const MESSAGE_ID: &str = "MessageId";
+    /// Raw JSON: the correlation id.
+    pub(crate) const CORRELATION_ID: &str = "CorrelationId";
+    /// Raw JSON: the conversation id.
+    pub(crate) const CONVERSATION_ID: &str = "ConversationId";
+    /// Raw JSON: the initiator id.
+    pub(crate) const INITIATOR_ID: &str = "MT-InitiatorId";
+    /// Raw JSON: the source address.
+    pub(crate) const SOURCE_ADDRESS: &str = "MT-Source-Address";
+    /// Raw JSON: the message types, URNs joined by `;`.
+    pub const MESSAGE_TYPE: &str = "MT-MessageType";
+}
+
+/// The JSON envelope (MT/Serialization/JsonMessageEnvelope.cs): fields in
+/// MassTransit's order, camelCase. MassTransit writes every one, `null`
+/// when unset; reading, only `messageId`, `messageType` and `message`
+/// matter here.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct JsonEnvelope {
+    /// The message id: the dedup key.
+    pub message_id: Option<String>,
+    /// The request id, for request/response.
+    #[serde(default)]
+    pub request_id: Option<String>,
+    /// The correlation id.
+    #[serde(default)]
+    pub correlation_id: Option<String>,
+    /// The conversation: one per flow of messages.
+    #[serde(default)]
+    pub conversation_id: Option<String>,
+    /// The message that caused this one.
+    #[serde(default)]
+    pub initiator_id: Option<String>,
+    /// The address of the endpoint that sent it.
+    #[serde(default)]
+    pub source_address: Option<String>,
+    /// Where it was sent (an exchange's address).
+    #[serde(default)]
+    pub destination_address: Option<String>,
+    /// Where responses go.
+    #[serde(default)]
+    pub response_address: Option<String>,
+    /// Where faults go.
+    #[serde(default)]
+    pub fault_address: Option<String>,
+    /// The message's types as URNs, most specific first.
+    #[serde(default)]
+    pub message_type: Vec<String>,
+    /// The message itself, as its JSON text.
+    pub message: Option<Box<RawValue>>,
+    /// When it expires, if it does.
+    #[serde(default)]
+    pub expiration_time: Option<String>,
+    /// When it was sent (ISO 8601, UTC).
+    #[serde(default)]
+    pub sent_time: Option<String>,
+    /// Headers, also written as AMQP headers.
+    #[serde(default)]
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    /// The sending host (ABS/Contracts/HostInfo.cs).
+    #[serde(default)]
+    pub host: Option<serde_json::Value>,
+}
+
+/// What a MassTransit delivery carries, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoded {
+    /// The message id (envelope `messageId`, or the raw `MessageId`).
+    pub message_id: Uuid,
+    /// The message's JSON: the envelope's `message`, or the raw body.
+    pub message: Vec<u8>,
+    /// Where it comes from, as the envelope says.
+    pub context: Context,
+}
+
+/// Where a MassTransit message comes from: what a handler sees of it
+/// beside the id (untrusted text, as sent).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Context {
+    /// Its type names (`Namespace:Type`), most specific first: every type
+    /// the producer says it is (its class, base classes, interfaces). None
+    /// when it says none in the `urn:message:` form.
+    pub message_types: Vec<String>,
+    /// Its correlation id, if any.
+    pub correlation_id: Option<String>,
+    /// Its conversation id, if any.
+    pub conversation_id: Option<String>,
+    /// Its initiator id, if any.
+    pub initiator_id: Option<String>,
+    /// The address of the endpoint that sent it, if any.
+    pub source_address: Option<String>,
+}
+
+/// Why a delivery is not a MassTransit message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The body is not a JSON envelope.
+    #[error("body is not a MassTransit envelope: {0}")]
+    NotAnEnvelope(String),
+    /// No message id, or one that is not a GUID.
+    #[error("no valid messageId (a GUID is required: it is the dedup key): {0}")]
+    InvalidMessageId(String),
+    /// The AMQP `message_id` and the envelope's `messageId` differ.
+    #[error("the AMQP message_id `{property}` is not the envelope's messageId `{envelope}`")]
+    MessageIdMismatch {
+        /// The AMQP property.
+        property: String,
+        /// The envelope's.
+        envelope: String,
+    },
+    /// The envelope has no `message`.
+    #[error("the envelope has no message")]
+    NoMessage,
+}
+
+/// `urn:message:{name}` for a type named `Namespace:Type`.
+pub fn message_urn(name: &str) -> String {
+    format!("{URN_PREFIX}{name}")
+}
+
+/// The type name in a message type URN, if it is one.
+pub(crate) fn type_of_urn(urn: &str) -> Option<&str> {
+    urn.strip_prefix(URN_PREFIX).filter(|name| !name.is_empty())
+}
+
+/// Decodes a delivery as MassTransit 8.5 reads it: raw JSON when the
+/// endpoint reads raw JSON (`raw_json`, MassTransit's
+/// `UseRawJsonDeserializer()`) and the content type is `application/json`,
+/// its metadata in the `MessageId` and `MT-MessageType` headers, the AMQP
+/// `message_id` standing in for a missing `MessageId`; otherwise the JSON
+/// envelope, whatever the content type says or if it says nothing:
+/// MassTransit falls back to its default deserializer, the envelope's, for
+/// a content type it has no deserializer for
+/// (MT/Configuration/Configuration/SerializationConfiguration.cs,
+/// `AddDeserializer(factory, true)`).
+pub fn decode(properties: &BasicProperties, body: &[u8], raw_json: bool) -> Result<Decoded, WireError> {
+    let content_type = properties.content_type().as_ref().map(|c| c.as_str());
+    match content_type {
+        Some(RAW_JSON_CONTENT_TYPE) if raw_json => decode_raw(properties, body),
+        _ => decode_envelope(properties, body),
+    }
+}
+
+/// An envelope's fields, found by name in any case: MassTransit reads with
+/// `PropertyNameCaseInsensitive = true`
+/// (MT/Serialization/SystemTextJsonMessageSerializer.cs), so an envelope
+/// written with the PascalCase naming policy, or by Newtonsoft, reads the
+/// same.
+enum EnvelopeFields<'a> {
+    /// Written as MassTransit writes it (camelCase, no other field): the
+    /// common form, read in one pass with no map.
+    Camel(CamelEnvelope<'a>),
+    /// Any other spelling: every field by name.
+    AnyCase(std::collections::BTreeMap<std::borrow::Cow<'a, str>, &'a RawValue>),
+}
+
+/// The fields of MassTransit's envelope (MT/Serialization/JsonMessageEnvelope.cs)
+/// as it writes them, those the runtime reads kept as they are; any other
+/// field, or one in another case, makes this fail and the envelope is
+/// read by name instead.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[expect(
+    dead_code,
+    reason = "the fields the runtime does not read are named only to be allowed"
+)]
+struct CamelEnvelope<'a> {
+    #[serde(borrow)]
+    message_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    correlation_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    conversation_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    initiator_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    source_address: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message_type: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message: Option<&'a RawValue>,
+    #[serde(default)]
+    request_id: serde::de::IgnoredAny,
+    #[serde(default)]
+    destination_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    response_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    fault_address: serde::de::IgnoredAny,
+    #[serde(default)]
+    expiration_time: serde::de::IgnoredAny,
+    #[serde(default)]
+    sent_time: serde::de::IgnoredAny,
+    #[serde(default)]
+    headers: serde::de::IgnoredAny,
+    #[serde(default)]
+    host: serde::de::IgnoredAny,
+}
+
+impl<'a> EnvelopeFields<'a> {
+    fn read(body: &'a [u8]) -> Result<Self, WireError> {
+        if let Ok(camel) = serde_json::from_slice(body) {
+            return Ok(Self::Camel(camel));
+        }
+        serde_json::from_slice(body)
+            .map(Self::AnyCase)
+            .map_err(|e| WireError::NotAnEnvelope(e.to_string()))
+    }
+
+    /// Field `name` (as MassTransit spells it) in any case, `None` when
+    /// absent or `null`.
+    fn get(&self, name: &str) -> Option<&'a RawValue> {
+        let value = match self {
+            Self::Camel(envelope) => match name {
+                "messageId" => envelope.message_id,
+                "correlationId" => envelope.correlation_id,
+                "conversationId" => envelope.conversation_id,
+                "initiatorId" => envelope.initiator_id,
+                "sourceAddress" => envelope.source_address,
+                "messageType" => envelope.message_type,
+                "message" => envelope.message,
+                _ => None,
+            }?,
+            Self::AnyCase(fields) => match fields.get(name) {
+                Some(value) => *value,
+                None => *fields.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
+            },
+        };
+        (value.get() != "null").then_some(value)
+    }
+
+    /// Field `name` as `T`, `None` when absent or `null`.
+    fn parse<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<Option<T>, WireError> {
+        self.get(name)
+            .map(|value| serde_json::from_str(value.get()))
+            .transpose()
+            .map_err(|e| WireError::NotAnEnvelope(format!("`{name}`: {e}")))
+    }
+}
+
+fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+    let envelope = EnvelopeFields::read(body)?;
+    let raw_id: String = envelope
+        .parse("messageId")
+        .map_err(|e| WireError::InvalidMessageId(e.to_string()))?
+        .unwrap_or_default();
+    let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
+    if let Some(property) = properties.message_id().as_ref()
+        && Uuid::try_parse(property.as_str()).ok() != Some(message_id)
+    {
+        return Err(WireError::MessageIdMismatch {
+            property: property.as_str().to_owned(),
+            envelope: raw_id,
+        });
+    }
+    // `null` or absent: no type, which MassTransit skips (no consumer
+    // takes it) rather than fails.
+    let urns: Vec<String> = envelope.parse("messageType")?.unwrap_or_default();
+    let message_types = type_names(urns.iter().map(String::as_str));
+    let message = envelope.get("message").ok_or(WireError::NoMessage)?;
+    Ok(Decoded {
+        message_id,
+        message: camel_case_keys(message.get().as_bytes()),
+        context: Context {
+            message_types,
+            correlation_id: envelope.parse("correlationId")?,
+            conversation_id: envelope.parse("conversationId")?,
+            initiator_id: envelope.parse("initiatorId")?,
+            source_address: envelope.parse("sourceAddress")?,
+        },
+    })
+}
+
+/// `message` with every object key's first letter in lower case, at any
+/// depth: what a contract type whose fields are camelCase (as MassTransit
+/// writes them) reads. MassTransit reads a message's properties in any case
+/// (`PropertyNameCaseInsensitive`), so a producer on the PascalCase naming
+/// policy reaches the same consumer; serde matches names exactly, so the
+/// names are brought to camelCase instead. A message with no key in upper
+/// case, the common one, is copied as it is, not parsed here.
+fn camel_case_keys(message: &[u8]) -> Vec<u8> {
+    // A key starts right after a quote; so does a string value, so this
+    // finds every message with a key in upper case, and some others.
+    let maybe_upper = message
+        .windows(2)
+        .any(|pair| pair[0] == b'"' && pair[1].is_ascii_uppercase());
+    if !maybe_upper {
+        return message.to_vec();
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(message) else {
+        // Not JSON: the handler's decoding says so.
+        return message.to_vec();
+    };
+    if !lower_first_letters(&mut value) {
+        return message.to_vec();
+    }
+    serde_json::to_vec(&value).unwrap_or_else(|_| message.to_vec())
+}
+
+/// Lowers the first letter of every object key in `value`; whether any
+/// changed.
+fn lower_first_letters(value: &mut serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut changed = false;
+            let entries = std::mem::take(map);
+            for (key, mut inner) in entries {
+                changed |= lower_first_letters(&mut inner);
+                let key = match key.chars().next() {
+                    Some(first) if first.is_ascii_uppercase() => {
+                        changed = true;
+                        let mut lowered = String::with_capacity(key.len());
+                        lowered.push(first.to_ascii_lowercase());
+                        lowered.push_str(&key[1..]);
+                        lowered
+                    }
+                    _ => key,
+                };
+                map.insert(key, inner);
+            }
+            changed
+        }
+        serde_json::Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| lower_first_letters(item) | changed),
+        _ => false,
+    }
+}
+
+fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+    let table = properties.headers().clone().unwrap_or_default();
+    let header = |key: &str| text(&table, key);
+    let raw_id = header(headers::MESSAGE_ID)
+        .or_else(|| properties.message_id().as_ref().map(|id| id.as_str().to_owned()))
+        .unwrap_or_default();
+    let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
+    let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
+    Ok(Decoded {
+        message_id,
+        message: camel_case_keys(body),
+        context: Context {
+            message_types: type_names(types.split(';')),
+            correlation_id: header(headers::CORRELATION_ID).or_else(|| {
+                properties
+                    .correlation_id()
+                    .as_ref()
+                    .map(|c| c.as_str().to_owned())
+            }),
+            conversation_id: header(headers::CONVERSATION_ID),
+            initiator_id: header(headers::INITIATOR_ID),
+            source_address: header(headers::SOURCE_ADDRESS),
+        },
+    })
+}
+
+/// The type names of `urns`, in order; none when no URN is in the
+/// `urn:message:` form.
+fn type_names<'a>(urns: impl Iterator<Item = &'a str>) -> Vec<String> {
+    urns.filter_map(|urn| type_of_urn(urn.trim()))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A header's text, as MassTransit writes ids and addresses.
+fn text(table: &FieldTable, key: &str) -> Option<String> {
+    match table.inner().get(key)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+    .filter(|s| !s.is_empty())
+}
+
+/// The address of `entity` (a queue, or an exchange) on the broker at
+/// `host`:`port`, virtual host `vhost`, as MassTransit writes it
+/// (RMQ/RabbitMqEndpointAddress.cs): `rabbitmq://host/entity`, the port
+/// only when not 5672, the virtual host only when not `/` (escaped).
+pub(crate) fn address(host: &str, port: u16, vhost: &str, entity: &str) -> String {
+    let authority = match port {
+        5672 => host.to_owned(),
+        port => format!("{host}:{port}"),
+    };
+    match vhost {
+        "/" | "" => format!("rabbitmq://{authority}/{entity}"),
+        vhost => format!("rabbitmq://{authority}/{}/{entity}", escape(vhost)),
+    }
+}
+
+/// `Uri.EscapeDataString`: everything but RFC 3986's unreserved characters
+/// percent-encoded.
+fn escape(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
+/// A failure, as MassTransit's error queue headers say it.
+#[derive(Debug, Clone)]
+pub(crate) struct Fault<'a> {
+    /// The failure's text (`MT-Fault-Message`).
+    pub message: &'a str,
+    /// What failed, in MassTransit's place of an exception type
+    /// (`MT-Fault-ExceptionType`).
+    pub exception_type: &'a str,
+    /// The handler, or the runtime's stage, that failed
+    /// (`MT-Fault-ConsumerType`).
+    pub consumer_type: &'a str,
+    /// The message's type name (`Namespace:Type`); written dotted, as .NET
+    /// names it (`MT-Fault-MessageType`).
+    pub message_type: &'a str,
+    /// The consumed queue's address (`MT-Fault-InputAddress`).
+    pub input_address: &'a str,
+    /// Attempts before the last one (`MT-Fault-RetryCount`, when above 0).
+    pub retries: u32,
+    /// When (`MT-Fault-Timestamp`, ISO 8601 in UTC).
+    pub timestamp: &'a str,
+}
+
+/// The longest fault text MassTransit writes (2,048 characters; the
+/// runtime cuts bytes, on a character boundary).
+const MAX_FAULT_TEXT: usize = 2048;
+
+/// Stamps `fault` as MassTransit's error transport does on the copy it
+/// moves to `Q_error` (ABS/Contexts/SendContextExtensions.cs
+/// `SetExceptionHeaders`, RMQ/RabbitMqTransport/RabbitMqErrorTransport.cs).
+pub(crate) fn stamp_fault(headers: &mut FieldTable, fault: &Fault<'_>) {
+    let text =
+        |value: &str| AMQPValue::LongString(crate::fault::truncate(value, MAX_FAULT_TEXT).as_ref().into());
+    headers.insert(headers::REASON.into(), text(headers::REASON_FAULT));
+    headers.insert(headers::FAULT_EXCEPTION_TYPE.into(), text(fault.exception_type));
+    headers.insert(headers::FAULT_MESSAGE.into(), text(fault.message));
+    headers.insert(headers::FAULT_TIMESTAMP.into(), text(fault.timestamp));
+    headers.insert(headers::FAULT_STACK_TRACE.into(), text(""));
+    headers.insert(headers::FAULT_INPUT_ADDRESS.into(), text(fault.input_address));
+    headers.insert(headers::FAULT_CONSUMER_TYPE.into(), text(fault.consumer_type));
+    headers.insert(
+        headers::FAULT_MESSAGE_TYPE.into(),
+        text(&fault.message_type.replace(':', ".")),
+    );
+    if fault.retries > 0 {
+        headers.insert(
+            headers::FAULT_RETRY_COUNT.into(),
+            AMQPValue::LongInt(i32::try_from(fault.retries).unwrap_or(i32::MAX)),
+        );
+    }
+}
+
+/// Stamps what MassTransit's dead-letter transport writes on a message no
+/// consumer took, moved to `Q_skipped` (MT/Middleware/DeadLetterTransportFilter.cs,
+/// RMQ/RabbitMqTransport/RabbitMqDeadLetterTransport.cs).
+pub(crate) fn stamp_dead_letter(headers: &mut FieldTable) {
+    headers.insert(
+        headers::REASON.into(),
+        AMQPValue::LongString(headers::REASON_DEAD_LETTER.into()),
+    );
+}
+
+/// This process, as MassTransit describes the host that moved a message or
+/// published a fault (ABS/Metadata/BusHostInfo.cs, ABS/Contracts/HostInfo.cs):
+/// the machine, the process and what runs it. Read once.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct HostInfo {
+    machine_name: String,
+    process_name: String,
+    process_id: u32,
+    assembly: String,
+    assembly_version: String,
+    framework_version: String,
+    mass_transit_version: String,
+    operating_system_version: String,
+}
+
+/// [`HostInfo`] of this process.
+pub(crate) fn host_info() -> &'static HostInfo {
+    static HOST: std::sync::OnceLock<HostInfo> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let process_name = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.file_stem().map(|name| name.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "unknown".into());
+        let machine_name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|name| name.trim().to_owned())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        HostInfo {
+            machine_name,
+            assembly: process_name.clone(),
+            process_name,
+            process_id: std::process::id(),
+            // The service's own version is not known to the library.
+            assembly_version: "Unknown".into(),
+            framework_version: "Rust".into(),
+            // Not MassTransit: what its tools show in that place.
+            mass_transit_version: concat!("inbox ", env!("CARGO_PKG_VERSION")).into(),
+            operating_system_version: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+        }
+    })
+}
+
+/// Stamps the `MT-Host-*` headers MassTransit's move transport writes on
+/// every copy it moves to `Q_error` or `Q_skipped`
+/// (RMQ/RabbitMqTransport/RabbitMqMoveTransport.cs, ABS/Contexts/SendContextExtensions.cs
+/// `SetHostHeaders`; names in ABS/MessageHeaders.cs): all text.
+pub(crate) fn stamp_host(headers: &mut FieldTable) {
+    let host = host_info();
+    let process_id = host.process_id.to_string();
+    let values = [
+        host.machine_name.as_str(),
+        host.process_name.as_str(),
+        process_id.as_str(),
+        host.assembly.as_str(),
+        host.assembly_version.as_str(),
+        host.mass_transit_version.as_str(),
+        host.framework_version.as_str(),
+        host.operating_system_version.as_str(),
+    ];
+    for (key, value) in headers::HOST.into_iter().zip(values) {
+        headers.insert(key.into(), AMQPValue::LongString(value.into()));
+    }
+}
+
+/// `id` if it is a GUID, else `None`: MassTransit parses every id of an
+/// envelope as a GUID when it reads it, and throws on one that is not
+/// (MT/Serialization/EnvelopeMessageContext.cs: "The Id was not a Guid").
+fn guid(id: Option<&str>) -> Option<String> {
+    id.and_then(|id| Uuid::try_parse(id).ok())
+        .map(|id| id.to_string())
+}
+
+/// Stamps a delayed redelivery's count, as MassTransit's delayed
+/// redelivery does (`MT-Redelivery-Count`, an integer).
+pub(crate) fn stamp_redelivery(headers: &mut FieldTable, count: u32) {
+    headers.insert(
+        headers::REDELIVERY_COUNT.into(),
+        AMQPValue::LongInt(i32::try_from(count).unwrap_or(i32::MAX)),
+    );
+}
+
+/// `envelope` with `count` as its `MT-Redelivery-Count` header, where
+/// MassTransit reads a message's redelivery count: the envelope's own
+/// `headers` (ABS/Middleware/RetryContextExtensions.cs reads
+/// `ConsumeContext.Headers`, which MT/Serialization/EnvelopeMessageContext.cs
+/// takes from the envelope), as its delayed redelivery writes it
+/// (ABS/Contexts/SendContextExtensions.cs, from
+/// MT/Middleware/DelayedMessageRedeliveryContext.cs). Every
+/// other field is kept as it was, to the byte (read as raw JSON); only
+/// their order may change. Unchanged when it is no JSON object.
+pub(crate) fn with_redelivery_count(envelope: &[u8], count: u32) -> std::borrow::Cow<'_, [u8]> {
+    use std::borrow::Cow;
+    let Ok(mut fields) =
+        serde_json::from_slice::<std::collections::BTreeMap<String, Box<RawValue>>>(envelope)
+    else {
+        return Cow::Borrowed(envelope);
+    };
+    let key = fields
+        .keys()
+        .find(|key| key.eq_ignore_ascii_case("headers"))
+        .cloned()
+        .unwrap_or_else(|| "headers".to_owned());
+    let mut headers: serde_json::Map<String, serde_json::Value> = fields
+        .get(&key)
+        .and_then(|raw| serde_json::from_str(raw.get()).ok())
+        .unwrap_or_default();
+    headers.insert(headers::REDELIVERY_COUNT.to_owned(), count.into());
+    let Ok(raw) = serde_json::value::to_raw_value(&headers) else {
+        return Cow::Borrowed(envelope);
+    };
+    fields.insert(key, raw);
+    serde_json::to_vec(&fields).map_or(Cow::Borrowed(envelope), Cow::Owned)
+}
+
+/// The exchange every `Fault<T>` exchange is bound to, as MassTransit's
+/// publish topology flattens `Fault<T>`'s hierarchy
+/// (RMQ/RabbitMqTransport/Topology/RabbitMqMessagePublishTopology.cs).
+pub const FAULT_EXCHANGE: &str = "MassTransit:Fault";
+
+/// The URN of `Fault<T>` for a type named `t` (ABS/MessageUrn.cs: a generic
+/// argument always carries its namespace).
+pub(crate) fn fault_urn(t: &str) -> String {
+    format!("{URN_PREFIX}MassTransit:Fault[[{t}]]")
+}
+
+/// The exchange `Fault<T>` is published to, for a type named `t`
+/// (MT/Transports/DefaultMessageNameFormatter.cs with RabbitMQ's
+/// separators: `--` around the arguments; an argument's namespace is left
+/// out when it is the generic type's own, `MassTransit`).
+pub fn fault_exchange(t: &str) -> String {
+    let argument = t.strip_prefix("MassTransit:").unwrap_or(t);
+    format!("{FAULT_EXCHANGE}--{argument}--")
+}
+
+/// A `Fault<T>` event, as MassTransit publishes one when a consumer's
+/// message lands in the error queue (MT/Events/FaultEvent.cs,
+/// MT/Contexts/ConsumeContextEndpointExtensions.cs `GenerateFault`).
+#[derive(Debug, Clone)]
+pub(crate) struct FaultEvent<'a> {
+    /// The fault's envelope's `messageId` (and AMQP `message_id`): a new
+    /// id of its own, as MassTransit gives every message it sends
+    /// (MT/Contexts/Context/MessageSendContext.cs).
+    pub message_id: Uuid,
+    /// The fault's own id, its `faultId`.
+    pub fault_id: Uuid,
+    /// The message that faulted.
+    pub faulted_message_id: Uuid,
+    /// Its type name (`Namespace:Type`): the `T` of `Fault<T>`, the type it
+    /// was handled as.
+    pub message_type: &'a str,
+    /// Its JSON.
+    pub message: &'a [u8],
+    /// In place of the .NET exception type.
+    pub exception_type: &'a str,
+    /// The failure's text.
+    pub reason: &'a str,
+    /// When it failed, ISO 8601 in UTC (also the envelope's `sentTime`).
+    pub timestamp: &'a str,
+    /// Where the faulted message came from: its conversation and
+    /// correlation go on.
+    pub context: &'a Context,
+    /// The address of the queue it faulted on.
+    pub input_address: &'a str,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FaultBody<'a> {
+    fault_id: String,
+    faulted_message_id: String,
+    timestamp: &'a str,
+    exceptions: [ExceptionInfo<'a>; 1],
+    host: &'static HostInfo,
+    fault_message_types: Vec<String>,
+    message: Box<RawValue>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ExceptionInfo<'a> {
+    exception_type: &'a str,
+    inner_exception: Option<serde_json::Value>,
+    stack_trace: &'a str,
+    message: &'a str,
+    source: &'a str,
+    data: Option<serde_json::Value>,
+}
+
+/// The envelope of `fault`, to publish to [`fault_exchange`]: its
+/// `messageType` is `Fault<T>`'s URN then `Fault`'s; its `initiatorId` the
+/// faulted message's correlation id, as MassTransit's
+/// (ABS/Contexts/SendContextExtensions.cs `TransferConsumeContextHeaders`);
+/// `faultMessageTypes` every type the faulted message listed, as
+/// MassTransit's (`SupportedMessageTypes`, MT/Events/FaultEvent.cs). Every
+/// id is a GUID or `null`: an id of the faulted message that is not a GUID
+/// is left out.
+pub(crate) fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let reason = crate::fault::truncate(fault.reason, MAX_FAULT_TEXT);
+    let body = FaultBody {
+        fault_id: fault.fault_id.to_string(),
+        faulted_message_id: fault.faulted_message_id.to_string(),
+        timestamp: fault.timestamp,
+        exceptions: [ExceptionInfo {
+            exception_type: fault.exception_type,
+            inner_exception: None,
+            stack_trace: "",
+            message: reason.as_ref(),
+            source: "inbox",
+            data: None,
+        }],
+        host: host_info(),
+        fault_message_types: match fault.context.message_types.as_slice() {
+            [] => vec![message_urn(fault.message_type)],
+            types => types.iter().map(|name| message_urn(name)).collect(),
+        },
+        message: RawValue::from_string(String::from_utf8_lossy(fault.message).into_owned())?,
+    };
+    let message = serde_json::value::to_raw_value(&body)?;
+    let correlation = guid(fault.context.correlation_id.as_deref());
+    let conversation =
+        guid(fault.context.conversation_id.as_deref()).or_else(|| Some(Uuid::now_v7().to_string()));
+    let envelope = JsonEnvelope {
+        message_id: Some(fault.message_id.to_string()),
+        request_id: None,
+        correlation_id: correlation.clone(),
+        conversation_id: conversation,
+        initiator_id: correlation,
+        source_address: Some(fault.input_address.to_owned()),
+        destination_address: None,
+        response_address: None,
+        fault_address: None,
+        message_type: vec![fault_urn(fault.message_type), message_urn("MassTransit:Fault")],
+        message: Some(message),
+        expiration_time: None,
+        sent_time: Some(fault.timestamp.to_owned()),
+        headers: serde_json::Map::new(),
+        host: serde_json::to_value(host_info()).ok(),
+    };
+    serde_json::to_vec(&envelope)
+}
+
+/// What an envelope this runtime publishes says of the message.
+#[derive(Debug, Clone)]
+pub(crate) struct Outgoing<'a> {
+    /// Its id.
+    pub message_id: Uuid,
+    /// Its type name (`Namespace:Type`).
+    pub message_type: &'a str,
+    /// The message's JSON.
+    pub message: &'a [u8],
+    /// The conversation it belongs to.
+    pub conversation_id: Uuid,
+    /// Its correlation id, if any.
+    pub correlation_id: Option<&'a str>,
+    /// The message that caused it, if any.
+    pub initiator_id: Option<Uuid>,
+    /// The address of the endpoint sending it.
+    pub source_address: Option<&'a str>,
+    /// The address of the exchange it goes to.
+    pub destination_address: Option<&'a str>,
+    /// When it was sent, ISO 8601 in UTC.
+    pub sent_time: &'a str,
+}
+
+/// The JSON envelope of `outgoing`, as MassTransit writes one: every
+/// field, `null` when unset, ids as lowercase hyphenated GUIDs. A
+/// correlation id that is not a GUID (carried from an incoming
+/// `correlation_id` such as `order-42`) is left out: a MassTransit consumer
+/// would throw on it.
+pub(crate) fn encode(outgoing: &Outgoing<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let message = RawValue::from_string(String::from_utf8_lossy(outgoing.message).into_owned())?;
+    let envelope = JsonEnvelope {
+        message_id: Some(outgoing.message_id.to_string()),
+        request_id: None,
+        correlation_id: guid(outgoing.correlation_id),
+        conversation_id: Some(outgoing.conversation_id.to_string()),
+        initiator_id: outgoing.initiator_id.map(|id| id.to_string()),
+        source_address: outgoing.source_address.map(str::to_owned),
+        destination_address: outgoing.destination_address.map(str::to_owned),
+        response_address: None,
+        fault_address: None,
+        message_type: vec![message_urn(outgoing.message_type)],
+        message: Some(message),
+        expiration_time: None,
+        sent_time: Some(outgoing.sent_time.to_owned()),
+        headers: serde_json::Map::new(),
+        host: None,
+    };
+    serde_json::to_vec(&envelope)
+}
+
+/// The envelope of a message sent now, as a follow-up of `cause` if it is
+/// one: its conversation carried over (or a new one), the handled message
+/// as its initiator, its correlation id carried over, the queue it was
+/// consumed from as the source.
+pub(crate) fn envelope_now(
+    message_id: Uuid,
+    message_type: &'static str,
+    json: &[u8],
+    cause: Option<&crate::MessageContext>,
+) -> crate::Result<Vec<u8>> {
+    let conversation_id = cause
+        .and_then(|c| c.conversation_id.as_deref())
+        .and_then(|id| Uuid::try_parse(id).ok())
+        .unwrap_or_else(Uuid::now_v7);
+    let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
+    let envelope = Outgoing {
+        message_id,
+        message_type,
+        message: json,
+        conversation_id,
+        correlation_id: cause.and_then(|c| c.correlation_id.as_deref()),
+        initiator_id: cause.map(|c| c.message_id),
+        source_address: cause.and_then(|c| c.input_address()),
+        destination_address: None,
+        sent_time: &sent_time,
+    };
+    encode(&envelope).map_err(|source| crate::Error::serialize(message_type, source))
+}
+
+/// The AMQP properties of an envelope with id `message_id`, as MassTransit
+/// sets them (RMQ/RabbitMqTransport/RabbitMqSendTransportContext.cs): the
+/// id as `message_id`, the envelope's content type, persistent; no `type`.
+pub fn properties(message_id: Uuid) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(message_id.to_string().into())
+        .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+        .with_delivery_mode(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::LongString;
+
+    use super::*;
+
+    /// An envelope as MassTransit 8 wrote it, verbatim from
+    /// tests/MassTransit.AmazonSqsTransport.Tests/MessageBody_Specs.cs at
+    /// v8.5.8, its two addresses in their RabbitMQ form.
+    const CAPTURED: &str = r#"{
+  "messageId": "00ab0000-6ab3-f8b4-f78c-08db7c8365ff",
+  "requestId": null,
+  "correlationId": null,
+  "conversationId": "00ab0000-6ab3-f8b4-739e-08db7c83660f",
+  "initiatorId": null,
+  "sourceAddress": "rabbitmq://localhost/MYHOST_Publisher_bus_ab1oyyrb7ecqdt3nbdpjtsbgrs?temporary=true",
+  "destinationAddress": "rabbitmq://localhost/TestSerialization:TestMessage",
+  "responseAddress": null,
+  "faultAddress": null,
+  "messageType": [
+    "urn:message:TestSerialization:TestMessage"
+  ],
+  "message": {
+    "name": "Hello world!"
+  },
+  "expirationTime": null,
+  "sentTime": "2023-07-04T11:39:59.689102Z",
+  "headers": {},
+  "host": {
+    "machineName": "XXXX",
+    "processName": "Publisher",
+    "processId": 43776,
+    "assembly": "Publisher",
+    "assemblyVersion": "1.0.0.0",
+    "frameworkVersion": "6.0.14",
+    "massTransitVersion": "8.0.16.0",
+    "operatingSystemVersion": "Microsoft Windows NT 10.0.19044.0"
+  }
+}"#;
+
+    fn envelope_properties(message_id: Option<&str>) -> BasicProperties {
+        let properties = BasicProperties::default().with_content_type(ENVELOPE_CONTENT_TYPE.into());
+        match message_id {
+            Some(id) => properties.with_message_id(id.into()),
+            None => properties,
+        }
+    }
+
+    #[test]
+    fn a_captured_envelope_decodes_to_its_id_type_message_and_context() {
+        let decoded = decode(
+            &envelope_properties(Some("00ab0000-6ab3-f8b4-f78c-08db7c8365ff")),
+            CAPTURED.as_bytes(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            decoded.message_id,
+            Uuid::parse_str("00ab0000-6ab3-f8b4-f78c-08db7c8365ff").unwrap()
+        );
+        assert_eq!(decoded.context.message_types, ["TestSerialization:TestMessage"]);
+        let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(message, serde_json::json!({"name": "Hello world!"}));
+        assert_eq!(
+            decoded.context.conversation_id.as_deref(),
+            Some("00ab0000-6ab3-f8b4-739e-08db7c83660f")
+        );
+        assert_eq!(decoded.context.initiator_id, None);
+        assert!(
+            decoded
+                .context
+                .source_address
+                .unwrap()
+                .starts_with("rabbitmq://localhost/")
+        );
+        // No content type, or one MassTransit has no deserializer for, or
+        // its raw one on an endpoint that does not read raw: MassTransit's
+        // default deserializer, the envelope.
+        for content_type in [None, Some("application/xml"), Some(RAW_JSON_CONTENT_TYPE)] {
+            let mut properties = BasicProperties::default();
+            if let Some(content_type) = content_type {
+                properties = properties.with_content_type(content_type.into());
+            }
+            assert!(
+                decode(&properties, CAPTURED.as_bytes(), false).is_ok(),
+                "{content_type:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_envelope_whose_id_differs_from_the_amqp_message_id_is_malformed() {
+        let other = Uuid::now_v7().to_string();
+        let error = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes(), false).unwrap_err();
+        assert!(matches!(error, WireError::MessageIdMismatch { .. }), "{error}");
+        let bad_id = CAPTURED.replace("00ab0000-6ab3-f8b4-f78c-08db7c8365ff", "not-a-guid");
+        assert!(matches!(
+            decode(&envelope_properties(None), bad_id.as_bytes(), false),
+            Err(WireError::InvalidMessageId(_))
+        ));
+        assert!(matches!(
+            decode(&envelope_properties(None), b"{\"messageId\": ", false),
+            Err(WireError::NotAnEnvelope(_))
+        ));
+        let no_message = CAPTURED.replace("\"message\":", "\"other\":");
+        assert_eq!(
+            decode(&envelope_properties(None), no_message.as_bytes(), false),
+            Err(WireError::NoMessage)
+        );
+    }
+
+    #[test]
+    fn an_envelope_without_a_type_has_none_and_is_skipped_not_failed() {
+        // MassTransit reads `messageType: null` (or one in no URN form) as
+        // no type; no consumer takes it, and it goes to Q_skipped.
+        for no_type in [
+            CAPTURED.replace("\"urn:message:TestSerialization:TestMessage\"", "\"TestMessage\""),
+            CAPTURED.replace(
+                "[\n    \"urn:message:TestSerialization:TestMessage\"\n  ]",
+                "null",
+            ),
+        ] {
+            let decoded = decode(&envelope_properties(None), no_type.as_bytes(), false).unwrap();
+            assert!(decoded.context.message_types.is_empty(), "{no_type}");
+        }
+    }
+
+    #[test]
+    fn envelope_names_in_any_case_and_null_headers_read_as_masstransit_reads_them() {
+        let id = Uuid::now_v7();
+        // The PascalCase naming policy, or Newtonsoft's defaults: PascalCase
+        // names, defaults left out, `Headers: null`.
+        let pascal = format!(
+            r#"{{"MessageId": "{id}", "ConversationId": "{id}", "MessageType": ["urn:message:Conference.Contracts:AttendeeCheckedIn"],
+               "Message": {{"AttendeeId": 5, "Nested": {{"Inner": [{{"Deep": 1}}]}}}}, "Headers": null, "Host": null}}"#
+        );
+        let decoded = decode(&envelope_properties(None), pascal.as_bytes(), false).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(
+            decoded.context.message_types,
+            ["Conference.Contracts:AttendeeCheckedIn"]
+        );
+        assert_eq!(decoded.context.conversation_id, Some(id.to_string()));
+        let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(
+            message,
+            serde_json::json!({"attendeeId": 5, "nested": {"inner": [{"deep": 1}]}}),
+            "keys in camelCase at any depth, values as they were"
+        );
+    }
+
+    /// The one-pass read of MassTransit's own spelling and the read by name
+    /// agree field for field, and anything else (an extra field, a
+    /// duplicate) takes the read by name.
+    #[test]
+    fn the_one_pass_read_and_the_read_by_name_agree() {
+        let forms = [
+            CAPTURED.to_owned(),
+            CAPTURED.replace("\"message\":", "\"extra\": [1, {\"a\": null}], \"message\":"),
+            CAPTURED.replace(
+                "[\n    \"urn:message:TestSerialization:TestMessage\"\n  ]",
+                "null",
+            ),
+            CAPTURED.replace("\"messageId\":", "\"MessageId\":"),
+        ];
+        for (i, form) in forms.iter().enumerate() {
+            let fields = EnvelopeFields::read(form.as_bytes()).unwrap();
+            assert_eq!(
+                matches!(fields, EnvelopeFields::Camel(_)),
+                i == 0 || i == 2,
+                "form {i}"
+            );
+            let by_name = EnvelopeFields::AnyCase(serde_json::from_str(form).unwrap());
+            for name in [
+                "messageId",
+                "correlationId",
+                "conversationId",
+                "initiatorId",
+                "sourceAddress",
+                "messageType",
+                "message",
+            ] {
+                assert_eq!(
+                    fields.get(name).map(RawValue::get),
+                    by_name.get(name).map(RawValue::get),
+                    "form {i}, {name}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_camel_case_message_is_copied_as_it_is_and_values_keep_their_case() {
+        let camel = br#"{"attendeeId": 5, "name": "Ada"}"#;
+        assert_eq!(camel_case_keys(camel), camel.to_vec());
+        // A value in upper case makes it look; nothing changes.
+        let value = br#"{"name": "Ada"}"#;
+        assert_eq!(camel_case_keys(value), value.to_vec());
+        assert_eq!(camel_case_keys(b"\"Ada\""), b"\"Ada\"".to_vec());
+        assert_eq!(camel_case_keys(b"not json \"A"), b"not json \"A".to_vec());
+    }
+
+    #[test]
+    fn raw_json_reads_its_metadata_from_the_headers_masstransit_writes() {
+        let id = Uuid::now_v7();
+        let mut table = FieldTable::default();
+        table.insert(
+            headers::MESSAGE_ID.into(),
+            AMQPValue::LongString(LongString::from(id.to_string())),
+        );
+        table.insert(
+            headers::MESSAGE_TYPE.into(),
+            AMQPValue::LongString(
+                "urn:message:Conference.Contracts:AttendeeCheckedIn;urn:message:Base:Event".into(),
+            ),
+        );
+        table.insert(headers::CONVERSATION_ID.into(), AMQPValue::LongString("c".into()));
+        let properties = BasicProperties::default()
+            .with_content_type(RAW_JSON_CONTENT_TYPE.into())
+            .with_headers(table);
+        let body = br#"{"attendeeId": 1, "sessionId": 2}"#;
+        let decoded = decode(&properties, body, true).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(
+            decoded.context.message_types,
+            ["Conference.Contracts:AttendeeCheckedIn", "Base:Event"]
+        );
+        assert_eq!(decoded.message, body);
+        assert_eq!(decoded.context.conversation_id.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn an_encoded_envelope_has_every_field_masstransit_writes_and_decodes_back() {
+        let (id, conversation, initiator) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let outgoing = Outgoing {
+            message_id: id,
+            message_type: "Conference.Contracts:CheckinRecorded",
+            message: br#"{"attendeeId":1,"sessionId":2}"#,
+            conversation_id: conversation,
+            correlation_id: None,
+            initiator_id: Some(initiator),
+            source_address: Some("rabbitmq://localhost/checkins"),
+            destination_address: Some("rabbitmq://localhost/Conference.Contracts:CheckinRecorded"),
+            sent_time: "2026-12-04T03:00:00.000000Z",
+        };
+        let encoded = encode(&outgoing).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&encoded).unwrap();
+        let text = String::from_utf8(encoded.clone()).unwrap();
+        // The fifteen of JsonMessageEnvelope, in its order, each once.
+        let order = [
+            "messageId",
+            "requestId",
+            "correlationId",
+            "conversationId",
+            "initiatorId",
+            "sourceAddress",
+            "destinationAddress",
+            "responseAddress",
+            "faultAddress",
+            "messageType",
+            "message",
+            "expirationTime",
+            "sentTime",
+            "headers",
+            "host",
+        ];
+        let at: Vec<usize> = order
+            .iter()
+            .map(|field| text.find(&format!("\"{field}\":")).expect(field))
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+        assert_eq!(json.as_object().unwrap().len(), order.len());
+        assert_eq!(
+            json["requestId"],
+            serde_json::Value::Null,
+            "unset is null, not absent"
+        );
+        assert_eq!(
+            json["messageType"],
+            serde_json::json!(["urn:message:Conference.Contracts:CheckinRecorded"])
+        );
+        let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded, false).unwrap();
+        assert_eq!(decoded.message_id, id);
+        assert_eq!(decoded.context.initiator_id, Some(initiator.to_string()));
+        assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.message, br#"{"attendeeId":1,"sessionId":2}"#);
+    }
+
+    #[test]
+    fn fault_headers_are_masstransits_names_and_kinds() {
+        let mut table = FieldTable::default();
+        let long = "x".repeat(5_000);
+        stamp_fault(
+            &mut table,
+            &Fault {
+                message: &long,
+                exception_type: "Inbox.HandlerFailed",
+                consumer_type: "CountCheckins",
+                message_type: "Conference.Contracts:AttendeeCheckedIn",
+                input_address: "rabbitmq://localhost/checkins",
+                retries: 3,
+                timestamp: "2026-12-04T03:00:00.000Z",
+            },
+        );
+        let text = |key: &str| match table.inner().get(key) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+            other => panic!("{key}: {other:?}"),
+        };
+        assert_eq!(text("MT-Reason"), "fault");
+        assert_eq!(
+            text("MT-Fault-MessageType"),
+            "Conference.Contracts.AttendeeCheckedIn"
+        );
+        assert_eq!(text("MT-Fault-InputAddress"), "rabbitmq://localhost/checkins");
+        assert!(text("MT-Fault-Message").len() <= MAX_FAULT_TEXT);
+        assert_eq!(
+            table.inner().get("MT-Fault-RetryCount"),
+            Some(&AMQPValue::LongInt(3))
+        );
+        let mut skipped = FieldTable::default();
+        stamp_dead_letter(&mut skipped);
+        stamp_redelivery(&mut skipped, 2);
+        assert_eq!(
+            skipped.inner().get("MT-Reason"),
+            Some(&AMQPValue::LongString("dead-letter".into()))
+        );
+        assert_eq!(
+            skipped.inner().get("MT-Redelivery-Count"),
+            Some(&AMQPValue::LongInt(2))
+        );
+    }
+
+    #[test]
+    fn a_fault_is_named_and_shaped_as_masstransits_fault_of_t() {
+        assert_eq!(
+            fault_urn("My.Contracts:OrderSubmitted"),
+            "urn:message:MassTransit:Fault[[My.Contracts:OrderSubmitted]]"
+        );
+        assert_eq!(
+            fault_exchange("My.Contracts:OrderSubmitted"),
+            "MassTransit:Fault--My.Contracts:OrderSubmitted--"
+        );
+        assert_eq!(fault_exchange("MassTransit:Ping"), "MassTransit:Fault--Ping--");
+        let (message_id, fault_id, faulted, conversation) =
+            (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let context = Context {
+            conversation_id: Some(conversation.to_string()),
+            // Not a GUID: MassTransit would throw reading it.
+            correlation_id: Some("order-42".into()),
+            message_types: vec!["My.Contracts:OrderSubmitted".into(), "My.Contracts:Event".into()],
+            ..Context::default()
+        };
+        let encoded = encode_fault(&FaultEvent {
+            message_id,
+            fault_id,
+            faulted_message_id: faulted,
+            message_type: "My.Contracts:OrderSubmitted",
+            message: br#"{"orderId":1}"#,
+            exception_type: "Inbox.Rejected",
+            reason: "boom",
+            timestamp: "2026-12-04T03:00:00.000000Z",
+            context: &context,
+            input_address: "rabbitmq://localhost/orders",
+        })
+        .unwrap();
+        let properties = envelope_properties(Some(&message_id.to_string()));
+        let decoded = decode(&properties, &encoded, false).unwrap();
+        assert_eq!(decoded.message_id, message_id, "an id of its own beside faultId");
+        assert_eq!(
+            decoded.context.message_types,
+            [
+                "MassTransit:Fault[[My.Contracts:OrderSubmitted]]",
+                "MassTransit:Fault"
+            ]
+        );
+        assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.context.correlation_id, None, "a GUID or null");
+        assert_eq!(decoded.context.initiator_id, None, "a GUID or null");
+        let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        assert_eq!(body["faultId"], fault_id.to_string());
+        assert_eq!(body["faultedMessageId"], faulted.to_string());
+        assert_eq!(body["exceptions"][0]["message"], "boom");
+        assert_eq!(
+            body["faultMessageTypes"],
+            serde_json::json!([
+                "urn:message:My.Contracts:OrderSubmitted",
+                "urn:message:My.Contracts:Event"
+            ]),
+            "every type the faulted message listed"
+        );
+        assert_eq!(body["host"]["processId"], std::process::id());
+        assert_eq!(body["message"], serde_json::json!({"orderId": 1}));
+        let text = String::from_utf8(decoded.message).unwrap();
+        let order = [
+            "faultId",
+            "faultedMessageId",
+            "timestamp",
+            "exceptions",
+            "host",
+            "faultMessageTypes",
+        ];
+        let at: Vec<usize> = order
+            .iter()
+            .map(|f| text.find(&format!("\"{f}\":")).unwrap())
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+    }
+
+    #[test]
+    fn a_follow_up_carries_only_guids_for_ids_as_masstransit_reads_them() {
+        let id = Uuid::now_v7();
+        let outgoing = |correlation_id| Outgoing {
+            message_id: id,
+            message_type: "Conference.Contracts:CheckinRecorded",
+            message: br#"{"attendeeId": 1}"#,
+            conversation_id: id,
+            correlation_id,
+            initiator_id: Some(id),
+            source_address: None,
+            destination_address: None,
+            sent_time: "2026-12-04T03:00:00.000000Z",
+        };
+        let read = |encoded: Vec<u8>| {
+            decode(&envelope_properties(None), &encoded, false)
+                .unwrap()
+                .context
+        };
+        // From an incoming correlation_id such as `order-42`: left out.
+        let context = read(encode(&outgoing(Some("order-42"))).unwrap());
+        assert_eq!(context.correlation_id, None);
+        let guid = Uuid::now_v7().to_string();
+        let context = read(encode(&outgoing(Some(&guid))).unwrap());
+        assert_eq!(context.correlation_id, Some(guid));
+    }
+
+    #[test]
+    fn a_retry_tiers_copy_carries_its_redelivery_count_in_the_envelopes_headers() {
+        let copy = with_redelivery_count(CAPTURED.as_bytes(), 2);
+        let fields: serde_json::Value = serde_json::from_slice(&copy).unwrap();
+        assert_eq!(fields["headers"][headers::REDELIVERY_COUNT], 2);
+        let original: serde_json::Value = serde_json::from_str(CAPTURED).unwrap();
+        assert_eq!(fields["message"], original["message"], "the message as it was");
+        assert_eq!(fields["messageId"], original["messageId"]);
+        // `Headers: null` in an envelope written with PascalCase names.
+        let pascal = br#"{"MessageId": "x", "Headers": null, "Message": {"n": 1.10}}"#;
+        let copy = with_redelivery_count(pascal, 1);
+        let text = String::from_utf8(copy.into_owned()).unwrap();
+        assert!(text.contains(r#""Headers":{"MT-Redelivery-Count":1}"#), "{text}");
+        assert!(
+            text.contains(r#""Message":{"n": 1.10}"#),
+            "kept to the byte: {text}"
+        );
+        // Not an envelope: unchanged.
+        assert_eq!(with_redelivery_count(b"[1]", 1).as_ref(), b"[1]");
+    }
+
+    #[test]
+    fn addresses_leave_out_the_default_port_and_virtual_host() {
+        assert_eq!(
+            address("localhost", 5672, "/", "checkins"),
+            "rabbitmq://localhost/checkins"
+        );
+        assert_eq!(
+            address("rabbit", 5673, "/", "Conference.Contracts:AttendeeCheckedIn"),
+            "rabbitmq://rabbit:5673/Conference.Contracts:AttendeeCheckedIn"
+        );
+        assert_eq!(
+            address("localhost", 5672, "my vhost", "q"),
+            "rabbitmq://localhost/my%20vhost/q"
+        );
+        assert_eq!(message_urn("A.B:C"), "urn:message:A.B:C");
+        assert_eq!(type_of_urn("urn:message:A.B:C"), Some("A.B:C"));
+        assert_eq!(type_of_urn("urn:message:"), None);
+        assert_eq!(type_of_urn("A.B:C"), None);
+    }
+}

@@ -1,0 +1,232 @@
+//! Operability: health (live, ready, with reasons) through a database
+//! outage, a lost broker connection and a shutdown; the metrics a
+//! Prometheus recorder sees.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use inbox::Runtime;
+use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+use crate::proxy::{Proxy, broker_through_proxy, database_through_proxy};
+use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
+
+#[actix_rt::test]
+async fn ready_once_consuming_and_no_longer_while_draining_live_all_along() {
+    let env = TestEnv::new("health_lifecycle").await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let monitor = runtime.monitor();
+    assert!(runtime.health().await.live.ok);
+    wait_until("ready once consuming", || async { monitor.ready().await.ok }).await;
+    let consuming = monitor.health().await;
+    assert_eq!(consuming.ready.reasons, Vec::<String>::new());
+    assert!(consuming.live.ok);
+
+    runtime.shutdown().await;
+    let stopped = monitor.ready().await;
+    assert!(!stopped.ok);
+    assert!(
+        stopped.reasons.iter().any(|r| r.contains("draining")),
+        "{stopped:?}"
+    );
+}
+
+/// Starts a runtime over `settings`, waits until it is ready, cuts the
+/// proxy, and checks that it turns unready, for reasons that `expected`
+/// accepts, but stays live; then that it is ready again once the proxy is
+/// restored.
+async fn unready_while_cut_and_live_all_along(
+    settings: inbox::Settings,
+    proxy: &Proxy,
+    expected: impl Fn(&[String]) -> bool,
+) {
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    wait_until("ready", || async { runtime.health().await.ready.ok }).await;
+
+    proxy.cut();
+    wait_until("unready while the service is away", || async {
+        !runtime.health().await.ready.ok
+    })
+    .await;
+    let away = runtime.health().await;
+    assert!(away.live.ok, "live must not fail for an outage: {away:?}");
+    assert!(expected(&away.ready.reasons), "{away:?}");
+
+    proxy.restore();
+    wait_until("ready again", || async { runtime.health().await.ready.ok }).await;
+    runtime.shutdown().await;
+}
+
+#[actix_rt::test]
+async fn a_database_outage_makes_it_unready_but_never_unlive() {
+    let env = TestEnv::new("health_database").await;
+    let mut settings = env.settings();
+    let proxy = database_through_proxy(&mut settings).await;
+    unready_while_cut_and_live_all_along(settings, &proxy, |reasons| {
+        reasons == ["the database is unavailable"]
+    })
+    .await;
+}
+
+#[actix_rt::test]
+async fn a_database_outage_is_logged_by_the_outbox_dispatcher_when_it_starts_and_ends() {
+    let env = TestEnv::new("outbox_outage_log").await;
+    let mut settings = env.settings();
+    let proxy = database_through_proxy(&mut settings).await;
+    // A drain at every poll: thirty or so fail during the outage.
+    settings.outbox.poll_interval = Duration::from_millis(100);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.restore();
+    wait_until("the dispatcher says it works again", || async {
+        logs.text().contains("outbox dispatch works again")
+    })
+    .await;
+    runtime.shutdown().await;
+    let text = logs.text();
+    let failed = text.matches("outbox dispatch failed;").count();
+    assert_eq!(failed, 1, "one WARN for the whole outage:\n{text}");
+}
+
+#[actix_rt::test]
+async fn a_lost_broker_connection_makes_it_unready_until_the_consumer_is_back() {
+    let env = TestEnv::new("health_broker").await;
+    let mut settings = env.settings();
+    let proxy = broker_through_proxy(&mut settings).await;
+    unready_while_cut_and_live_all_along(settings, &proxy, |reasons| {
+        reasons
+            .iter()
+            .any(|r| r.contains(&env.queue) && r.contains("not connected"))
+    })
+    .await;
+}
+
+/// The test binary's one Prometheus recorder: installed before any runtime
+/// of these tests is built (other tests' runtimes may record into it too,
+/// each under its own queue).
+fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        PrometheusBuilder::new()
+            .set_buckets(&[0.001, 0.01, 0.1, 1.0])
+            .unwrap()
+            .install_recorder()
+            .unwrap()
+    })
+}
+
+/// Counts, and fails key 7 every time.
+struct CountButSeven;
+
+impl EventHandler<Counted> for CountButSeven {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if event.key == 7 {
+            return Err("seven always fails".into());
+        }
+        increment(uow, "counts", event.key).await
+    }
+}
+
+/// The value of the sample `name{labels}` in `text`, if any.
+fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+}
+
+#[actix_rt::test]
+async fn the_metrics_count_each_outcome_by_queue_and_name_every_series() {
+    let prometheus = prometheus();
+    let env = TestEnv::new("metrics_outcomes").await;
+    let mut settings = env.settings();
+    // A claim per message, each timed, as counted below.
+    settings.queues[0].batch_size = 1;
+    settings.failure.immediate_retries = 1;
+    settings.failure.immediate_backoff = Duration::from_millis(10);
+    settings.failure.delays = Vec::new();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountButSeven)
+        .start()
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..10).await;
+    // Two copies of one message: the second is a duplicate.
+    let again = Message::new(Counted { key: 20 });
+    for _ in 0..2 {
+        runtime.publisher().publish(&env.queue, &again).await.unwrap();
+    }
+    wait_until("every message is settled", || async {
+        let s = runtime.stats();
+        s.completed == 10 && s.duplicates == 1 && s.dead_lettered == 1
+    })
+    .await;
+    let text = prometheus.render();
+    runtime.shutdown().await;
+
+    let queue = &env.queue;
+    let outcome = |outcome: &str| {
+        sample(
+            &text,
+            &format!("inbox_messages_total{{queue=\"{queue}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(outcome("completed"), Some(10.0), "{text}");
+    assert_eq!(outcome("duplicate"), Some(1.0), "{text}");
+    assert_eq!(outcome("retried"), Some(1.0), "{text}");
+    assert_eq!(outcome("dead_lettered"), Some(1.0), "{text}");
+    assert_eq!(outcome("rejected"), Some(0.0), "{text}");
+    assert_eq!(
+        sample(
+            &text,
+            &format!("inbox_process_duration_seconds_count{{queue=\"{queue}\"}}")
+        ),
+        Some(11.0),
+        "one per delivery acked after processing (completed or duplicate): {text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("inbox_in_flight{{queue=\"{queue}\"}}")),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("inbox_consumer_connected{{queue=\"{queue}\"}}")),
+        Some(1.0),
+        "{text}"
+    );
+    let claims = sample(
+        &text,
+        &format!("inbox_claim_wait_seconds_count{{queue=\"{queue}\"}}"),
+    );
+    assert!(claims.is_some_and(|n| n >= 12.0), "{text}");
+    for name in [
+        "inbox_handler_duration_seconds_bucket{event_type=\"Counted\"",
+        "inbox_database_available ",
+        "inbox_outbox_pending ",
+        "inbox_outbox_oldest_pending_seconds ",
+        "inbox_outbox_dispatched_total ",
+        "inbox_outbox_dead ",
+        "inbox_rows ",
+        "inbox_oldest_row_seconds ",
+        "inbox_swept_rows_total ",
+    ] {
+        assert!(
+            text.lines().any(|line| line.starts_with(name)),
+            "no {name} in:\n{text}"
+        );
+    }
+}
