@@ -74,7 +74,7 @@ pub async fn wait_for_database(pool: &Pool, settings: &Settings) -> Result<Objec
             Ok(connection) => return Ok(connection),
             Err(e) => Error::client(e),
         };
-        if let Some(tls) = crate::tls::failure(&error) {
+        if let Some(tls) = crate::error::tls_failure(&error) {
             return Err(Error::new(
                 crate::ErrorKind::Database,
                 format!(

@@ -1,6 +1,7 @@
 //! The envelope: one delivery decoded per the wire-format contract, before
 //! its body is read as any particular event.
 
+use crate::amqp::JSON;
 use std::fmt;
 
 use lapin::BasicProperties;
@@ -39,7 +40,7 @@ pub struct Envelope {
     /// The event, once decoded from `body` before its transaction, for the
     /// handler actor to take: the body is parsed once per attempt, not
     /// once to check it and again to handle it.
-    pub decoded: Decoded,
+    pub decoded: DecodedEvent,
     /// The span all work on this message runs in, named `process {queue}`
     /// after OpenTelemetry's messaging conventions (`messaging.system`,
     /// `messaging.destination.name`, `messaging.message.id`,
@@ -55,9 +56,9 @@ pub struct Envelope {
 /// once by the handlers' first attempt. A copy of the envelope (a retry's,
 /// which carries its own attempt number) starts empty and decodes again.
 #[derive(Default)]
-pub struct Decoded(std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>);
+pub struct DecodedEvent(std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>);
 
-impl Decoded {
+impl DecodedEvent {
     /// Holds `event` for the handlers.
     pub fn set(&self, event: Box<dyn std::any::Any + Send>) {
         if let Ok(mut slot) = self.0.lock() {
@@ -72,16 +73,16 @@ impl Decoded {
     }
 }
 
-impl Clone for Decoded {
+impl Clone for DecodedEvent {
     fn clone(&self) -> Self {
         Self::default()
     }
 }
 
-impl std::fmt::Debug for Decoded {
+impl std::fmt::Debug for DecodedEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let held = self.0.lock().map(|slot| slot.is_some()).unwrap_or(false);
-        f.debug_tuple("Decoded").field(&held).finish()
+        f.debug_tuple("DecodedEvent").field(&held).finish()
     }
 }
 
@@ -147,7 +148,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
-            decoded: Decoded::default(),
+            decoded: DecodedEvent::default(),
         })
     }
 
@@ -196,7 +197,7 @@ impl Envelope {
             trace,
             masstransit: Some(decoded.context),
             input_address: None,
-            decoded: Decoded::default(),
+            decoded: DecodedEvent::default(),
         })
     }
 
@@ -240,7 +241,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
-            decoded: Decoded::default(),
+            decoded: DecodedEvent::default(),
         };
         envelope.consumed_from(consumer, consumer);
         Ok(envelope)
@@ -271,7 +272,7 @@ impl Envelope {
             trace,
             masstransit: None,
             input_address: None,
-            decoded: Decoded::default(),
+            decoded: DecodedEvent::default(),
         };
         envelope.consumed_from(consumer, &outgoing.routing_key);
         envelope
@@ -310,8 +311,6 @@ fn span(
     }
     span
 }
-
-pub(crate) const JSON: &str = "application/json";
 
 /// The properties that identify a delivery in a log line, valid or not.
 #[derive(Debug)]

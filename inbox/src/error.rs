@@ -136,7 +136,7 @@ pub(crate) enum Repr {
 
     /// An inbox store of the service's own failed.
     #[error("inbox store error: {}", describe(.0.as_ref()))]
-    Store(#[source] crate::store::StoreError),
+    Store(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 
     /// A RabbitMQ operation failed.
     #[error("broker error: {}", describe(.0))]
@@ -307,7 +307,7 @@ pub(crate) fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool 
     use deadpool_postgres::PoolError;
     // A certificate refused (or a handshake the server refused) fails
     // alike every time: the settings' to fix, not an outage.
-    if crate::tls::failure(error).is_some() {
+    if tls_failure(error).is_some() {
         return false;
     }
     let mut current = Some(error);
@@ -341,6 +341,28 @@ pub(crate) fn is_unavailable(error: &(dyn std::error::Error + 'static)) -> bool 
     false
 }
 
+/// The TLS failure in `error`'s chain, if any: a certificate the client
+/// refused, a handshake the server refused. Such a failure is the
+/// configuration's, not an outage: trying again changes nothing.
+pub(crate) fn tls_failure<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        // io::Error's `source` skips the error it wraps: look inside.
+        if let Some(tls) = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        {
+            return Some(tls);
+        }
+        current = e.source();
+    }
+    None
+}
+
 impl Error {
     /// A client's error (PostgreSQL, the pool, RabbitMQ, the settings
     /// loader) as ours: `.map_err(Error::client)?`.
@@ -349,9 +371,9 @@ impl Error {
     }
 
     /// What an inbox store failed with, as ours: the runtime's own errors
-    /// (from [`PgInboxStore`](crate::store::PgInboxStore)) as they are,
+    /// (from `PgInboxStore`) as they are,
     /// anything else a database failure with it as the source.
-    pub(crate) fn store(error: crate::store::StoreError) -> Self {
+    pub(crate) fn store(error: Box<dyn std::error::Error + Send + Sync + 'static>) -> Self {
         match error.downcast::<Error>() {
             Ok(ours) => *ours,
             Err(theirs) => Repr::Store(theirs).into(),

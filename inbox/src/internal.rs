@@ -15,6 +15,19 @@ pub use crate::retention::sweep;
 
 pub use ::deadpool_postgres;
 
+/// [`Settings::load`](crate::Settings::load) from the files in `dir`, for
+/// the environment `inbox_env` (the tests' `config/test.toml`), whatever
+/// `INBOX_CONFIG_DIR` and `INBOX_ENV` say.
+pub fn load_settings(dir: &std::path::Path, inbox_env: Option<&str>) -> crate::Result<crate::ValidSettings> {
+    crate::Settings::load_layered(dir, inbox_env, None)
+}
+
+/// The TLS connector the runtime's PostgreSQL connections use, for
+/// `settings.database.url`.
+pub fn pg_tls(settings: &crate::Settings) -> crate::Result<tokio_postgres_rustls::MakeRustlsConnect> {
+    settings.pg_tls()
+}
+
 /// A unit of work on `connection`, as the runtime opens one (the tests of
 /// its guard against pooling an open transaction).
 pub async fn begin(connection: deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {

@@ -156,7 +156,7 @@ pub(crate) struct JsonEnvelope {
 
 /// What a MassTransit delivery carries, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decoded {
+pub struct IncomingEnvelope {
     /// The message id (envelope `messageId`, or the raw `MessageId`).
     pub message_id: Uuid,
     /// The message's JSON: the envelope's `message`, or the raw body.
@@ -226,7 +226,11 @@ pub(crate) fn type_of_urn(urn: &str) -> Option<&str> {
 /// a content type it has no deserializer for
 /// (MT/Configuration/Configuration/SerializationConfiguration.cs,
 /// `AddDeserializer(factory, true)`).
-pub fn decode(properties: &BasicProperties, body: &[u8], raw_json: bool) -> Result<Decoded, WireError> {
+pub fn decode(
+    properties: &BasicProperties,
+    body: &[u8],
+    raw_json: bool,
+) -> Result<IncomingEnvelope, WireError> {
     let content_type = properties.content_type().as_ref().map(|c| c.as_str());
     match content_type {
         Some(RAW_JSON_CONTENT_TYPE) if raw_json => decode_raw(properties, body),
@@ -331,7 +335,7 @@ impl<'a> EnvelopeFields<'a> {
     }
 }
 
-fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvelope, WireError> {
     let envelope = EnvelopeFields::read(body)?;
     let raw_id: String = envelope
         .parse("messageId")
@@ -351,7 +355,7 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Decoded,
     let urns: Vec<String> = envelope.parse("messageType")?.unwrap_or_default();
     let message_types = type_names(urns.iter().map(String::as_str));
     let message = envelope.get("message").ok_or(WireError::NoMessage)?;
-    Ok(Decoded {
+    Ok(IncomingEnvelope {
         message_id,
         message: camel_case_keys(message.get().as_bytes()),
         context: Context {
@@ -420,7 +424,7 @@ fn lower_first_letters(value: &mut serde_json::Value) -> bool {
     }
 }
 
-fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, WireError> {
+fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvelope, WireError> {
     let table = properties.headers().clone().unwrap_or_default();
     let header = |key: &str| text(&table, key);
     let raw_id = header(headers::MESSAGE_ID)
@@ -428,7 +432,7 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<Decoded, Wire
         .unwrap_or_default();
     let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
     let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
-    Ok(Decoded {
+    Ok(IncomingEnvelope {
         message_id,
         message: camel_case_keys(body),
         context: Context {
@@ -797,7 +801,7 @@ pub(crate) fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json
 
 /// What an envelope this runtime publishes says of the message.
 #[derive(Debug, Clone)]
-pub(crate) struct Outgoing<'a> {
+pub(crate) struct OutgoingEnvelope<'a> {
     /// Its id.
     pub message_id: Uuid,
     /// Its type name (`Namespace:Type`).
@@ -823,7 +827,7 @@ pub(crate) struct Outgoing<'a> {
 /// correlation id that is not a GUID (carried from an incoming
 /// `correlation_id` such as `order-42`) is left out: a MassTransit consumer
 /// would throw on it.
-pub(crate) fn encode(outgoing: &Outgoing<'_>) -> Result<Vec<u8>, serde_json::Error> {
+pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_json::Error> {
     let message = RawValue::from_string(String::from_utf8_lossy(outgoing.message).into_owned())?;
     let envelope = JsonEnvelope {
         message_id: Some(outgoing.message_id.to_string()),
@@ -860,7 +864,7 @@ pub(crate) fn envelope_now(
         .and_then(|id| Uuid::try_parse(id).ok())
         .unwrap_or_else(Uuid::now_v7);
     let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
-    let envelope = Outgoing {
+    let envelope = OutgoingEnvelope {
         message_id,
         message_type,
         message: json,
@@ -1118,7 +1122,7 @@ mod tests {
     #[test]
     fn an_encoded_envelope_has_every_field_masstransit_writes_and_decodes_back() {
         let (id, conversation, initiator) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
-        let outgoing = Outgoing {
+        let outgoing = OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
             message: br#"{"attendeeId":1,"sessionId":2}"#,
@@ -1295,7 +1299,7 @@ mod tests {
     #[test]
     fn a_follow_up_carries_only_guids_for_ids_as_masstransit_reads_them() {
         let id = Uuid::now_v7();
-        let outgoing = |correlation_id| Outgoing {
+        let outgoing = |correlation_id| OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
             message: br#"{"attendeeId": 1}"#,

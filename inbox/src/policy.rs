@@ -235,9 +235,21 @@ pub(crate) struct Failure {
     pub history: FailureHistory,
 }
 
+/// Where a message goes once its immediate retries are spent, given how
+/// many delayed redeliveries it has had: the next retry tier, or `Q.error`
+/// when every tier has been tried.
+pub(crate) fn destination(failure: &FailureSettings, redeliveries: u32) -> Target {
+    let next = usize::try_from(redeliveries).map_or(usize::MAX, |r| r.saturating_add(1));
+    if next <= failure.delays.len() {
+        Target::RetryTier(next)
+    } else {
+        Target::Exhausted
+    }
+}
+
 /// Where a message moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Target {
+pub(crate) enum Target {
     /// `Q.retry.<n>`, tiers counted from 1.
     RetryTier(usize),
     /// `Q.error`, after every attempt failed.
@@ -304,7 +316,7 @@ pub(crate) fn decide(outcome: Outcome, history: &FailureHistory, failure: &Failu
             },
         };
     }
-    let to = failure.destination(history.redeliveries);
+    let to = destination(failure, history.redeliveries);
     if let Target::RetryTier(_) = to {
         history.record_redelivery();
     }
@@ -321,6 +333,14 @@ pub(crate) fn decide(outcome: Outcome, history: &FailureHistory, failure: &Failu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_failure_path_walks_the_tiers_then_the_error_queue() {
+        let failure = FailureSettings::default();
+        assert_eq!(destination(&failure, 0), Target::RetryTier(1));
+        assert_eq!(destination(&failure, 2), Target::RetryTier(3));
+        assert_eq!(destination(&failure, 3), Target::Exhausted);
+    }
 
     fn failed(unavailable: bool) -> Outcome {
         Outcome::Abandoned(Abandoned {

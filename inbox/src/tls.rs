@@ -179,28 +179,6 @@ fn pem_error(error: &rustls::pki_types::pem::Error) -> String {
     }
 }
 
-/// The TLS failure in `error`'s chain, if any: a certificate the client
-/// refused, a handshake the server refused. Such a failure is the
-/// configuration's, not an outage: trying again changes nothing.
-pub(crate) fn failure<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
-            return Some(tls);
-        }
-        // io::Error's `source` skips the error it wraps: look inside.
-        if let Some(tls) = e
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        {
-            return Some(tls);
-        }
-        current = e.source();
-    }
-    None
-}
-
 /// A TLS failure in words a reader of the log can act on.
 pub(crate) fn explain(error: &rustls::Error) -> String {
     match error {

@@ -337,14 +337,25 @@ pub(crate) fn parsed_arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     }
 }
 
-/// `config/` (with `INBOX_ENV`) and `INBOX__…`, then `DATABASE_URL` and
-/// `AMQP_URL` (else the database [`DEFAULT_DATABASE`] in place of the
-/// maintenance database `postgres`), then `--queue`: the queue to consume
-/// (default [`DEFAULT_QUEUE`] when the settings list none).
+/// `config/` (with `INBOX_ENV`) and `INBOX__…`, then the conventional
+/// `DATABASE_URL` (replacing `database.url`) and `AMQP_URL` (replacing one
+/// broker, not the listed nodes of a cluster, which one URL cannot
+/// describe), else the database [`DEFAULT_DATABASE`] in place of the
+/// maintenance database `postgres`; then `--wire` and `--queue`: the queue
+/// to consume (default [`DEFAULT_QUEUE`] when the settings list none).
 pub(crate) fn settings() -> Result<ValidSettings> {
-    let mut settings = Settings::load_with_conventional_urls()?.into_inner();
-    if std::env::var_os("DATABASE_URL").is_none() && own_database(&settings).as_deref() == Some("postgres") {
-        settings.database.set_dbname(DEFAULT_DATABASE)?;
+    let mut settings = Settings::load()?.into_inner();
+    match std::env::var("DATABASE_URL").ok().filter(|url| !url.is_empty()) {
+        Some(url) => settings.database.url = url,
+        None if own_database(&settings).as_deref() == Some("postgres") => {
+            settings.database.set_dbname(DEFAULT_DATABASE)?;
+        }
+        None => {}
+    }
+    if let Some(url) = std::env::var("AMQP_URL").ok().filter(|url| !url.is_empty())
+        && settings.message_bus.amqp_urls.len() < 2
+    {
+        settings.message_bus.amqp_urls = vec![url];
     }
     match arg("--wire").as_deref() {
         Some("masstransit") => settings.message_bus.wire = inbox::Wire::Masstransit,
@@ -366,8 +377,7 @@ pub(crate) fn settings() -> Result<ValidSettings> {
 /// The database the service creates at start when missing, and `--remove`
 /// drops: the one `database.url` names (PostgreSQL's default, the user's
 /// name, when it names none), unless it is the one `DATABASE_URL` names:
-/// that database the service uses as it is. (An earlier version's
-/// `database.name` names another in `DATABASE_URL`: that one is its own.)
+/// that database the service uses as it is.
 pub(crate) fn own_database(settings: &Settings) -> Option<String> {
     let named =
         |config: &inbox::tokio_postgres::Config| config.get_dbname().or(config.get_user()).map(str::to_owned);

@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 
 use crate::actors::dedup::{DeliverBatch, Route, Work, give_up, key, roll_back};
 use crate::actors::handler::Handled;
-use crate::actors::stats::Counter;
+use crate::actors::tally::Tally;
 
 /// How the attempt on a whole batch ended.
 enum WholeBatch {
@@ -140,7 +140,7 @@ impl Work {
         // that claimed a copy of a member while the claims were undone
         // holds its row and waits for the turn, and would wait until
         // `database.lock_timeout` for a claim made while holding it.
-        self.stats.add(Counter::BatchesSplit);
+        self.stats.add(Tally::BatchesSplit);
         drop(running);
         roll_back(failed).await?;
         let (uow, claimed) = self.claim(members, keys, outcomes).await?;

@@ -43,7 +43,8 @@ use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 use crate::actors::handler::{Handle, HandleBatch, Handled, HandlerFailure};
-use crate::actors::stats::{Counter, Stats};
+use crate::actors::stats::Stats;
+use crate::actors::tally::Tally;
 
 /// Process one message through the inbox.
 #[derive(Debug, Message)]
@@ -264,7 +265,7 @@ impl actix::Handler<DeliverBatch> for DedupActor {
                     Ok(outcomes) => outcomes,
                     Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
                 };
-                stats.add(Counter::Batches);
+                stats.add(Tally::Batches);
                 outcomes
             }
             .instrument(tracing::info_span!("batch", size)),

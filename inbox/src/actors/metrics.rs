@@ -16,7 +16,7 @@ use metrics::{
     histogram,
 };
 
-use crate::actors::stats::Counter as Outcome;
+use crate::actors::tally::Tally;
 
 /// Messages settled, by `queue` and `outcome`.
 pub const MESSAGES_TOTAL: &str = "inbox_messages_total";
@@ -145,15 +145,15 @@ impl QueueMetrics {
 
     /// Counts what the stats count under `outcome`, if it is one of the
     /// outcomes this metric knows.
-    pub(crate) fn outcome(&self, outcome: Outcome) {
+    pub(crate) fn outcome(&self, outcome: Tally) {
         let counter = match outcome {
-            Outcome::Completed => &self.completed,
-            Outcome::Duplicates => &self.duplicate,
-            Outcome::Rejected => &self.rejected,
-            Outcome::Skipped => &self.skipped,
-            Outcome::Retried => &self.retried,
-            Outcome::Delayed => &self.delayed,
-            Outcome::DeadLettered => &self.dead_lettered,
+            Tally::Completed => &self.completed,
+            Tally::Duplicates => &self.duplicate,
+            Tally::Rejected => &self.rejected,
+            Tally::Skipped => &self.skipped,
+            Tally::Retried => &self.retried,
+            Tally::Delayed => &self.delayed,
+            Tally::DeadLettered => &self.dead_lettered,
             _ => return,
         };
         counter.increment(1);

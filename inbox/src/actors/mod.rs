@@ -48,6 +48,7 @@ mod retention;
 mod runtime;
 mod settle;
 mod stats;
+mod tally;
 
 // What the crate's root offers a service.
 pub use health::{Health, Probe};

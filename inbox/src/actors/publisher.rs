@@ -11,7 +11,8 @@ use actix::Recipient;
 use futures_util::future::BoxFuture;
 
 use crate::actors::dedup::Deliver;
-use crate::actors::stats::{Counter, Stats};
+use crate::actors::stats::Stats;
+use crate::actors::tally::Tally;
 
 /// Publishes events the way the runtime's provider says: through RabbitMQ
 /// with publisher confirms, or, in process, straight to the handlers.
@@ -101,11 +102,11 @@ impl Publisher {
         // The caller is the consumer here: what would be retried or moved
         // is an error for it to handle.
         let (counter, refused) = match outcome {
-            Outcome::Completed => (Counter::Completed, None),
-            Outcome::Duplicate => (Counter::Duplicates, None),
-            Outcome::NoHandler { .. } => (Counter::Skipped, None),
-            Outcome::Abandoned(a) => (Counter::Abandoned, Some(format!("{}: {}", a.stage, a.reason))),
-            Outcome::Rejected { stage, reason } => (Counter::Rejected, Some(format!("{stage}: {reason}"))),
+            Outcome::Completed => (Tally::Completed, None),
+            Outcome::Duplicate => (Tally::Duplicates, None),
+            Outcome::NoHandler { .. } => (Tally::Skipped, None),
+            Outcome::Abandoned(a) => (Tally::Abandoned, Some(format!("{}: {}", a.stage, a.reason))),
+            Outcome::Rejected { stage, reason } => (Tally::Rejected, Some(format!("{stage}: {reason}"))),
         };
         stats.add(counter);
         match refused {

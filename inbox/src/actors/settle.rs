@@ -32,7 +32,8 @@ use crate::actors::availability::DatabaseGate;
 use crate::actors::dedup::{CountRedelivery, DedupActor, Deliver, DeliverBatch};
 use crate::actors::handler::HandledTypes;
 use crate::actors::metrics::QueueMetrics;
-use crate::actors::stats::{Counter, Stats};
+use crate::actors::stats::Stats;
+use crate::actors::tally::Tally;
 
 /// How long to wait before handing a message back to the broker when it
 /// could not be moved to a retry tier or the error queue (the broker is
@@ -189,9 +190,9 @@ pub(crate) struct Malformed {
 impl Settler {
     /// Counts in the stats and, for the outcomes it knows, in the queue's
     /// metrics: one place for both.
-    fn count(&self, counter: Counter) {
-        self.stats.add(counter);
-        self.metrics.outcome(counter);
+    fn count(&self, tally: Tally) {
+        self.stats.add(tally);
+        self.metrics.outcome(tally);
     }
 
     /// Checks a delivery's size and decodes it.
@@ -488,13 +489,13 @@ impl Settler {
                         // prefetch stops further deliveries) until the
                         // database answers, and spend none of its attempts.
                         tracing::debug!(%reason, "database unavailable; holding the message");
-                        self.count(Counter::Held);
+                        self.count(Tally::Held);
                         let outage_seen = Box::pin(self.database.wait_until_available(&reason)).await;
                         history.record_hold(outage_seen);
                     }
                     Action::Retry { after, failure } => {
-                        self.count(Counter::Abandoned);
-                        self.count(Counter::Retried);
+                        self.count(Tally::Abandoned);
+                        self.count(Tally::Retried);
                         tracing::warn!(
                             stage = %failure.stage,
                             reason = %failure.reason,
@@ -506,7 +507,7 @@ impl Settler {
                     }
                     Action::Move { to, failure } => {
                         if matches!(to, Target::RetryTier(_) | Target::Exhausted) {
-                            self.count(Counter::Abandoned);
+                            self.count(Tally::Abandoned);
                         }
                         // MassTransit's tools expect the message as it was
                         // sent, envelope and all; the inbox wire's body was
@@ -537,9 +538,9 @@ impl Settler {
     fn acked(&self, result: lapin::Result<bool>, duplicate: bool, arrived: Instant) {
         check_settled(result, "ack", &self.stats);
         self.count(if duplicate {
-            Counter::Duplicates
+            Tally::Duplicates
         } else {
-            Counter::Completed
+            Tally::Completed
         });
         let latency = arrived.elapsed();
         self.stats.record_latency(latency);
@@ -560,10 +561,10 @@ impl Settler {
         let message_type = envelope.map_or("", |e| e.event_type.as_str());
         let wire = self.dialect.wire;
         let (queue, counter) = match to {
-            Target::RetryTier(tier) => (wire.retry_queue(&self.queue, tier), Counter::Delayed),
-            Target::Exhausted => (wire.error_queue(&self.queue), Counter::DeadLettered),
-            Target::Rejected => (wire.error_queue(&self.queue), Counter::Rejected),
-            Target::Skipped => (wire.skipped_queue(&self.queue), Counter::Skipped),
+            Target::RetryTier(tier) => (wire.retry_queue(&self.queue, tier), Tally::Delayed),
+            Target::Exhausted => (wire.error_queue(&self.queue), Tally::DeadLettered),
+            Target::Rejected => (wire.error_queue(&self.queue), Tally::Rejected),
+            Target::Skipped => (wire.skipped_queue(&self.queue), Tally::Skipped),
         };
         tracing::warn!(
             stage = %failure.stage,
@@ -638,7 +639,7 @@ impl Settler {
             }
             Err(e) => {
                 tracing::error!(error = %e, "could not move the message to {queue}; handing it back to the broker");
-                self.count(Counter::MovesHandedBack);
+                self.count(Tally::MovesHandedBack);
                 tokio::time::sleep(MOVE_FAILED_PAUSE).await;
                 let options = BasicNackOptions {
                     requeue: true,
@@ -756,13 +757,13 @@ fn check_settled(result: lapin::Result<bool>, what: &str, stats: &Stats) {
     match result {
         Ok(true) => {}
         Ok(false) => {
-            stats.add(Counter::UnconfirmedAcks);
+            stats.add(Tally::UnconfirmedAcks);
             tracing::warn!(
                 "{what} not delivered: the channel was recovered since; the broker will redeliver and the inbox will skip what was committed"
             );
         }
         Err(e) => {
-            stats.add(Counter::UnconfirmedAcks);
+            stats.add(Tally::UnconfirmedAcks);
             tracing::warn!(error = %e, "{what} failed; the broker will redeliver and the inbox will skip what was committed");
         }
     }

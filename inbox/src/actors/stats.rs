@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::actors::tally::Tally;
+
 /// Latency buckets: four per power of two of microseconds, up to about
 /// 2^40 µs (12 days).
 const LATENCY_BUCKETS: usize = 4 * 40;
@@ -95,24 +97,6 @@ pub struct StatsSnapshot {
     pub outbox_oldest_pending_millis: u64,
 }
 
-/// One of the counters.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Counter {
-    Completed,
-    Duplicates,
-    Abandoned,
-    Retried,
-    Rejected,
-    Skipped,
-    Delayed,
-    DeadLettered,
-    UnconfirmedAcks,
-    Held,
-    MovesHandedBack,
-    Batches,
-    BatchesSplit,
-}
-
 impl Default for Stats {
     fn default() -> Self {
         Self {
@@ -170,21 +154,21 @@ impl Stats {
         Some(Duration::from_micros(bucket_upper_bound(LATENCY_BUCKETS - 1)))
     }
 
-    pub(crate) fn add(&self, counter: Counter) {
-        let cell = match counter {
-            Counter::Completed => &self.completed,
-            Counter::Duplicates => &self.duplicates,
-            Counter::Abandoned => &self.abandoned,
-            Counter::Retried => &self.retried,
-            Counter::Rejected => &self.rejected,
-            Counter::Skipped => &self.skipped,
-            Counter::Delayed => &self.delayed,
-            Counter::DeadLettered => &self.dead_lettered,
-            Counter::UnconfirmedAcks => &self.unconfirmed_acks,
-            Counter::Held => &self.held,
-            Counter::MovesHandedBack => &self.moves_handed_back,
-            Counter::Batches => &self.batches,
-            Counter::BatchesSplit => &self.batches_split,
+    pub(crate) fn add(&self, tally: Tally) {
+        let cell = match tally {
+            Tally::Completed => &self.completed,
+            Tally::Duplicates => &self.duplicates,
+            Tally::Abandoned => &self.abandoned,
+            Tally::Retried => &self.retried,
+            Tally::Rejected => &self.rejected,
+            Tally::Skipped => &self.skipped,
+            Tally::Delayed => &self.delayed,
+            Tally::DeadLettered => &self.dead_lettered,
+            Tally::UnconfirmedAcks => &self.unconfirmed_acks,
+            Tally::Held => &self.held,
+            Tally::MovesHandedBack => &self.moves_handed_back,
+            Tally::Batches => &self.batches,
+            Tally::BatchesSplit => &self.batches_split,
         };
         cell.fetch_add(1, Ordering::Relaxed);
     }

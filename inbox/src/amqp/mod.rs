@@ -19,7 +19,6 @@ use lapin::types::LongString;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use uuid::Uuid;
 
-use crate::envelope::JSON;
 use crate::error::{Error, Result};
 use crate::settings::Settings;
 
@@ -31,6 +30,9 @@ pub use publisher::AmqpPublisher;
 pub use replay::{ReplayReport, SetAside, replay, replay_on};
 pub(crate) use topology::Declared;
 pub use topology::{bind_to_fanout, declare_queue, declare_topology, declare_wire_topology};
+
+/// The content type of this library's wire: the body is the event as JSON.
+pub(crate) const JSON: &str = "application/json";
 
 /// AMQP `delivery_mode` for messages that survive a broker restart.
 pub(crate) const PERSISTENT: u8 = 2;
@@ -94,7 +96,7 @@ pub async fn connect(settings: &Settings, name: &str) -> Result<Arc<Connection>>
             target
                 .connect(properties)
                 .await
-                .map_err(|e| match crate::tls::failure(&e) {
+                .map_err(|e| match crate::error::tls_failure(&e) {
                     Some(tls) => Failure::Tls(crate::tls::explain(tls)),
                     None => Failure::Retry(crate::error::describe(&e)),
                 })

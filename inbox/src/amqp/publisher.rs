@@ -202,7 +202,7 @@ impl AmqpPublisher {
         self
     }
 
-    /// The largest body it sends as an outbox [`Sink`](crate::outbox::Sink).
+    /// The largest body it sends as the outbox's sink.
     pub(crate) fn max_message_size(&self) -> usize {
         self.max_message_size
     }

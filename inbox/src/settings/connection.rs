@@ -97,8 +97,7 @@ impl Settings {
     /// says, with the CA of `sslrootcert` (or the system's) and the client
     /// certificate of `sslcert` and `sslkey`. Reads those files now: an
     /// error names the parameter and the path.
-    #[doc(hidden)] // The runtime's and the tools' own connections.
-    pub fn pg_tls(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
+    pub(crate) fn pg_tls(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
         let (_, tls) = PgTls::split(&self.database.url)?;
         let config = crate::tls::client_config(&tls.verify(), tls.identity()?.as_ref())?;
         Ok(tokio_postgres_rustls::MakeRustlsConnect::new(

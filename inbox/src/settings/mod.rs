@@ -14,8 +14,6 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::policy::Target;
-
 mod connection;
 mod load;
 #[cfg(test)]
@@ -33,6 +31,7 @@ pub(crate) use validate::{MAX_DELIVERY_LIMIT, no_broker};
 /// it again on start.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Settings {
     /// `[message_bus]`: which bus, where it is, and whether the inbox is on.
     pub message_bus: MessageBusSettings,
@@ -84,6 +83,7 @@ pub enum Wire {
 /// `[message_bus]`. Its `Debug` hides the passwords in `amqp_urls`.
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct MessageBusSettings {
     /// `provider`: `rabbitmq` or `in_process`. Default `rabbitmq`.
     pub provider: Provider,
@@ -133,7 +133,7 @@ pub struct MessageBusSettings {
     /// as when the broker is reached through an IP address or a tunnel
     /// (`server_name_indication` in a URL wins). Default unset.
     pub tls_server_name: Option<String>,
-    /// `exchange`: where [publishing](crate::amqp::AmqpPublisher) sends events.
+    /// `exchange`: where publishing sends events.
     /// Default `""`, the default exchange, where the routing key is the queue name.
     pub exchange: String,
     /// `enable_inbox`: deduplicate redeliveries through `inbox_messages`.
@@ -219,6 +219,7 @@ impl std::fmt::Debug for MessageBusSettings {
 /// `[database]`. Its `Debug` hides the password in `url`.
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct DatabaseSettings {
     /// `url`: where the database is, and which: a PostgreSQL URL
     /// (`postgres://user:password@host:port/dbname`) or `key=value`
@@ -328,6 +329,7 @@ pub enum QueueKind {
 /// One `[[queues]]` entry.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct QueueSettings {
     /// `name`: the queue to consume. Required.
     pub name: String,
@@ -448,6 +450,7 @@ impl QueueSettings {
 /// tiers `Q.retry.1`, `Q.retry.2`, …, then the error queue `Q.error`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct FailureSettings {
     /// `immediate_retries`: further attempts in process, each in a fresh
     /// transaction, before the message is sent to a retry tier. Default 3.
@@ -479,25 +482,13 @@ impl Default for FailureSettings {
 
 impl FailureSettings {
     /// The pause before immediate retry number `retry` (from 0).
-    pub fn backoff(&self, retry: u32) -> Duration {
+    pub(crate) fn backoff(&self, retry: u32) -> Duration {
         crate::backoff::Backoff::nth(self.immediate_backoff, retry.min(16), Duration::MAX)
-    }
-
-    /// Where a message goes once its immediate retries are spent, given
-    /// how many delayed redeliveries it has had: the next retry tier, or
-    /// `Q.error` when every tier has been tried.
-    pub fn destination(&self, redeliveries: u32) -> Target {
-        let next = usize::try_from(redeliveries).map_or(usize::MAX, |r| r.saturating_add(1));
-        if next <= self.delays.len() {
-            Target::RetryTier(next)
-        } else {
-            Target::Exhausted
-        }
     }
 
     /// The longest a message can take from its first failure to its last
     /// attempt: every backoff and every tier's delay.
-    pub fn longest_redelivery_path(&self) -> Duration {
+    pub(crate) fn longest_redelivery_path(&self) -> Duration {
         let backoffs: Duration = (0..self.immediate_retries).map(|r| self.backoff(r)).sum();
         let per_delivery = backoffs.saturating_mul(self.delays.len() as u32 + 1);
         self.delays.iter().sum::<Duration>() + per_delivery
@@ -515,6 +506,7 @@ fn durations<'de, D: serde::Deserializer<'de>>(
 /// forever. It runs only while the inbox is on.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RetentionSettings {
     /// `days`: how long an inbox row is kept. A redelivery (or a replay from
     /// `Q.error`) later than this is processed again, so it must exceed the
@@ -541,7 +533,7 @@ impl Default for RetentionSettings {
 
 impl RetentionSettings {
     /// `days` as a duration.
-    pub fn period(&self) -> Duration {
+    pub(crate) fn period(&self) -> Duration {
         Duration::from_secs(u64::from(self.days) * 24 * 60 * 60)
     }
 }
@@ -549,6 +541,7 @@ impl RetentionSettings {
 /// `[outbox]`: how the dispatcher publishes the rows of `outbox_messages`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct OutboxSettings {
     /// `poll_interval`: how often the dispatcher looks for due rows when no
     /// commit woke it (rows of other processes, retries coming due).
@@ -597,6 +590,7 @@ impl Default for OutboxSettings {
 /// `[runtime]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RuntimeSettings {
     /// `shutdown_timeout`: on SIGINT/SIGTERM, how long to let in-flight
     /// messages finish before closing anyway (the unfinished ones are

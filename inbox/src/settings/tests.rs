@@ -75,7 +75,7 @@ fn batches_are_the_default_and_never_hold_more_than_prefetch() {
             text.push_str(&format!("batch_size = {size}\n"));
         }
         let dir = temp_dir(&[("default.toml", &text)]);
-        let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
+        let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
         let queue = &settings.queues[0];
         assert_eq!(
             queue.batch_limit(),
@@ -90,7 +90,7 @@ fn batches_are_the_default_and_never_hold_more_than_prefetch() {
 #[test]
 fn the_shipped_default_file_matches_the_built_in_defaults() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
-    let loaded = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
+    let loaded = Settings::load_layered(&dir, None, vars(&[])).unwrap();
     let built_in = Settings::default();
     assert_eq!(format!("{loaded:?}"), format!("{built_in:?}"));
 }
@@ -100,7 +100,7 @@ fn layers_apply_in_order_default_file_env_file_environment() {
     let dir = temp_dir(&[
         (
             "default.toml",
-            "[database]\npool_size = 7\nname = \"from_default\"\n[message_bus]\nprovider = \"in_process\"\n",
+            "[database]\npool_size = 7\nurl = \"postgres://h/from_default\"\n[message_bus]\nprovider = \"in_process\"\n",
         ),
         (
             "staging.toml",
@@ -114,7 +114,6 @@ fn layers_apply_in_order_default_file_env_file_environment() {
             ("INBOX__DATABASE__POOL_SIZE", "11"),
             ("INBOX__MESSAGE_BUS__ENABLE_INBOX", "true"),
         ]),
-        false,
     )
     .unwrap();
     assert_eq!(
@@ -139,7 +138,7 @@ fn layers_apply_in_order_default_file_env_file_environment() {
 #[test]
 fn a_missing_environment_file_is_an_error_naming_it() {
     let dir = temp_dir(&[]);
-    let err = Settings::load_layered(&dir, Some("prod"), vars(&[]), false).unwrap_err();
+    let err = Settings::load_layered(&dir, Some("prod"), vars(&[])).unwrap_err();
     assert!(err.to_string().contains("prod"), "{err}");
 }
 
@@ -166,16 +165,10 @@ fn invalid_values_name_their_key() {
         ),
         ("INBOX__DATABASE__URL", "mysql://nope", "database.url"),
         (
-            "INBOX__MESSAGE_BUS__AMQP_URL",
-            "http://nope",
-            "message_bus.amqp_url",
-        ),
-        (
             "INBOX__MESSAGE_BUS__AMQP_URLS",
             "amqp://a,http://nope",
             "message_bus.amqp_urls[1]",
         ),
-        ("INBOX__DATABASE__NAME", "", "database.name"),
         (
             "INBOX__RUNTIME__SHUTDOWN_TIMEOUT",
             "0s",
@@ -184,7 +177,7 @@ fn invalid_values_name_their_key() {
     ];
     let dir = temp_dir(&[]);
     for (var, value, key) in cases {
-        let err = Settings::load_layered(&dir, None, vars(&[(var, value)]), false).unwrap_err();
+        let err = Settings::load_layered(&dir, None, vars(&[(var, value)])).unwrap_err();
         assert!(
             err.to_string().contains(key),
             "{var}={value}: `{err}` does not name `{key}`"
@@ -238,7 +231,7 @@ fn invalid_queues_name_their_entry() {
     ];
     for (text, key) in cases {
         let dir = temp_dir(&[("default.toml", &text)]);
-        let err = Settings::load_layered(&dir, None, vars(&[]), false).unwrap_err();
+        let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
         assert!(
             err.to_string().contains(key),
             "{text}: `{err}` does not name `{key}`"
@@ -252,22 +245,19 @@ fn retention_shorter_than_the_redelivery_path_names_both() {
         "default.toml",
         "[retention]\ndays = 2\n[failure]\ndelays = [\"1h\", \"2days\"]\n",
     )]);
-    let err = Settings::load_layered(&dir, None, vars(&[]), false)
+    let err = Settings::load_layered(&dir, None, vars(&[]))
         .unwrap_err()
         .to_string();
     for words in ["retention.days", "2 days", "failure.delays", "2days 1h"] {
         assert!(err.contains(words), "`{err}` does not say `{words}`");
     }
-    let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")]), false).unwrap();
+    let ok = Settings::load_layered(&dir, None, vars(&[("INBOX__RETENTION__DAYS", "3")])).unwrap();
     assert_eq!(ok.failure.delays, [3600, 2 * 86400].map(Duration::from_secs));
 }
 
 #[test]
-fn the_failure_path_walks_the_tiers_then_the_error_queue() {
+fn the_immediate_retries_back_off_and_the_longest_path_adds_every_wait() {
     let failure = FailureSettings::default();
-    assert_eq!(failure.destination(0), Target::RetryTier(1));
-    assert_eq!(failure.destination(2), Target::RetryTier(3));
-    assert_eq!(failure.destination(3), Target::Exhausted);
     assert_eq!(
         (0..3).map(|r| failure.backoff(r)).collect::<Vec<_>>(),
         [100, 200, 400].map(Duration::from_millis)
@@ -376,83 +366,31 @@ fn set_dbname_names_another_database_on_the_same_server() {
 }
 
 #[test]
-fn the_old_spellings_still_mean_what_they_meant() {
+fn the_spellings_of_earlier_versions_are_refused_by_name() {
+    // `message_bus.amqp_url` (now `amqp_urls`) and `database.name` (now the
+    // url's path): an unknown key stops the start, named, rather than
+    // leave a service on the defaults.
     let dir = temp_dir(&[]);
-    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs), false).unwrap();
-    // `database.name` is written into the url, whichever layer set it.
-    let settings = load(&[
-        ("INBOX__DATABASE__URL", "postgres://u@h:5433/orders"),
-        ("INBOX__DATABASE__NAME", "billing"),
-    ]);
-    assert_eq!(settings.database.url, "postgres://u@h:5433/billing");
-    // `amqp_url` is a list of one...
-    let settings = load(&[("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672")]);
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://a:5672"]);
-    // ...unless `amqp_urls` is set, which wins, as it did.
-    let settings = load(&[
-        ("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672"),
-        ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
-    ]);
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
-    // Layers weigh as ever: an `amqp_url` in a later layer wins over an
-    // earlier layer's list.
-    let listed = temp_dir(&[(
-        "default.toml",
-        "[message_bus]\namqp_urls = [\"amqp://b:5672\", \"amqp://c:5672\"]\n",
-    )]);
-    let settings = Settings::load_layered(
-        &listed,
-        None,
-        vars(&[("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672")]),
-        false,
-    )
-    .unwrap();
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://a:5672"]);
-    // An empty list meant `amqp_url` alone: the default broker.
-    let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = []\n")]);
-    let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
-    assert_eq!(
-        settings.message_bus.amqp_urls,
-        MessageBusSettings::default().amqp_urls
-    );
-    // A settings file may name one broker as a string.
-    let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = \"amqp://d:5672\"\n")]);
-    let settings = Settings::load_layered(&dir, None, vars(&[]), false).unwrap();
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://d:5672"]);
+    for (var, key) in [
+        ("INBOX__MESSAGE_BUS__AMQP_URL", "amqp_url"),
+        ("INBOX__DATABASE__NAME", "name"),
+    ] {
+        let err = Settings::load_layered(&dir, None, vars(&[(var, "x")])).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("unknown field `{key}`")),
+            "{var}: `{err}`"
+        );
+    }
+    let dir = temp_dir(&[("default.toml", "[database]\nname = \"billing\"\n")]);
+    let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
+    assert!(err.to_string().contains("unknown field `name`"), "{err}");
 }
 
 #[test]
-fn the_conventional_urls_are_read_as_the_settings_load() {
-    let dir = temp_dir(&[]);
-    let load = |pairs: &[(&str, &str)]| Settings::load_layered(&dir, None, vars(pairs), true).unwrap();
-    // DATABASE_URL replaces the url, INBOX__DATABASE__URL's too.
-    let settings = load(&[
-        ("INBOX__DATABASE__URL", "postgres://u@h:5433/orders"),
-        ("DATABASE_URL", "postgres://v@k:5434/app"),
-    ]);
-    assert_eq!(settings.database.url, "postgres://v@k:5434/app");
-    // An earlier version's `database.name` names a database in it, as it did.
-    let settings = load(&[
-        ("DATABASE_URL", "postgres://v@k:5434/app"),
-        ("INBOX__DATABASE__NAME", "billing"),
-    ]);
-    assert_eq!(settings.database.url, "postgres://v@k:5434/billing");
-    // AMQP_URL replaces one broker, and an old `amqp_url`...
-    let settings = load(&[("AMQP_URL", "amqp://e:5672")]);
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://e:5672"]);
-    let settings = load(&[
-        ("INBOX__MESSAGE_BUS__AMQP_URL", "amqp://a:5672"),
-        ("AMQP_URL", "amqp://e:5672"),
-    ]);
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://e:5672"]);
-    // ...but not a cluster's nodes.
-    let settings = load(&[
-        ("INBOX__MESSAGE_BUS__AMQP_URLS", "amqp://b:5672,amqp://c:5672"),
-        ("AMQP_URL", "amqp://e:5672"),
-    ]);
-    assert_eq!(settings.message_bus.amqp_urls, ["amqp://b:5672", "amqp://c:5672"]);
-    // Without them, as `load`.
-    assert_eq!(load(&[]).database.url, DatabaseSettings::default().url);
+fn a_settings_file_may_name_one_broker_as_a_string() {
+    let dir = temp_dir(&[("default.toml", "[message_bus]\namqp_urls = \"amqp://d:5672\"\n")]);
+    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    assert_eq!(settings.message_bus.amqp_urls, ["amqp://d:5672"]);
 }
 
 #[test]

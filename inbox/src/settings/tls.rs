@@ -396,8 +396,7 @@ impl Settings {
     /// What the start should say about the connections' security: a
     /// connection to a host other than this machine that is in clear text
     /// or does not verify the server. Empty when everything is verified.
-    #[doc(hidden)] // For the runtime's start.
-    pub fn insecure_connections(&self) -> Vec<String> {
+    pub(crate) fn insecure_connections(&self) -> Vec<String> {
         let mut said = Vec::new();
         if let Ok((_, tls)) = PgTls::split(&self.database.url)
             && tls.verify() == Verify::Nothing

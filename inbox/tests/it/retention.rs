@@ -1,7 +1,6 @@
 use std::time::Duration;
 
 use inbox::Message;
-use inbox::settings::RetentionSettings;
 use inbox::{Runtime, Sweep};
 
 use crate::support::{Count, Counted, TestEnv, Valid, wait_until};
@@ -89,10 +88,8 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     inbox::internal::run_migrations(&mut first.get().await.unwrap())
         .await
         .unwrap();
-    let retention = RetentionSettings {
-        batch_size: 100,
-        ..settings.retention.clone()
-    };
+    let mut retention = settings.retention.clone();
+    retention.batch_size = 100;
     for round in 0..5 {
         backdated_rows(&env, "expired", 5000, 8).await;
         let (a, b) = tokio::join!(

@@ -157,10 +157,10 @@ async fn the_settings_files_read_are_logged_and_a_folder_without_any_warns() {
     let _capturing = logs.install();
     let dir = std::env::temp_dir().join(format!("inbox-startup-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(&dir).unwrap();
-    Settings::load_from(&dir).unwrap();
+    inbox::internal::load_settings(&dir, None).unwrap();
     assert!(logs.text().contains("no settings file found"), "{}", logs.text());
     std::fs::write(dir.join("default.toml"), "[[queues]]\nname = \"orders\"\n").unwrap();
-    let settings = Settings::load_from(&dir).unwrap();
+    let settings = inbox::internal::load_settings(&dir, None).unwrap();
     assert_eq!(settings.queues[0].name, "orders");
     let text = logs.text();
     assert!(
@@ -171,32 +171,23 @@ async fn the_settings_files_read_are_logged_and_a_folder_without_any_warns() {
 }
 
 #[actix_rt::test]
-async fn a_settings_file_of_an_earlier_version_means_what_it_meant_with_a_warn_per_old_key() {
-    let logs = Captured::default();
-    let _capturing = logs.install();
+async fn a_settings_file_of_an_earlier_version_is_refused_naming_its_old_key() {
     let dir = std::env::temp_dir().join(format!("inbox-startup-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(&dir).unwrap();
-    // As the default.toml of earlier versions had them.
+    // As the default.toml of earlier versions had it: one broker.
     std::fs::write(
         dir.join("default.toml"),
-        "[message_bus]\namqp_url = \"amqp://guest:guest@rabbit:5672/%2f\"\namqp_urls = []\n\
-         [database]\nurl = \"postgres://postgres@127.0.0.1:5432/postgres\"\nname = \"orders\"\n",
+        "[message_bus]\namqp_url = \"amqp://guest:guest@rabbit:5672/%2f\"\n",
     )
     .unwrap();
-    let settings = Settings::load_from(&dir).unwrap();
-    assert_eq!(
-        settings.message_bus.amqp_urls,
-        ["amqp://guest:guest@rabbit:5672/%2f"]
-    );
-    assert_eq!(settings.database.url, "postgres://postgres@127.0.0.1:5432/orders");
-    let text = logs.text();
-    let warns = |key: &str, new: &str| {
-        text.lines()
-            .any(|line| line.contains("WARN") && line.contains(key) && line.contains(new))
-    };
-    assert!(warns("message_bus.amqp_url ", "message_bus.amqp_urls"), "{text}");
-    assert!(warns("database.name", "database.url"), "{text}");
+    let error = inbox::internal::load_settings(&dir, None)
+        .unwrap_err()
+        .to_string();
     std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        error.contains("unknown field `amqp_url`") && error.contains("message_bus"),
+        "{error}"
+    );
 }
 
 #[actix_rt::test]
@@ -342,14 +333,11 @@ async fn the_example_takes_amqp_url_for_one_broker_and_keeps_a_listed_cluster() 
 }
 
 #[actix_rt::test]
-async fn the_example_keeps_an_earlier_database_name_in_database_url_and_drops_only_its_own() {
-    // DATABASE_URL names the test's database; an earlier version's
-    // INBOX__DATABASE__NAME another on the same server, which is the
-    // service's own: created at its start, dropped by --remove. The one
-    // DATABASE_URL names is never the service's to drop.
+async fn the_example_runs_on_the_database_url_names_and_never_drops_it() {
+    // DATABASE_URL names the test's database: the service uses it as it
+    // is, and `--remove` leaves it, since it is not the service's own.
     let env = TestEnv::new("conventional_database").await;
-    let own = format!("{}_own", env.database);
-    let example = |args: &[&str], name: Option<&str>| {
+    let example = |args: &[&str]| {
         let mut command = std::process::Command::new(crate::support::checkin_service());
         command
             .args(["--queue", &env.queue])
@@ -359,50 +347,26 @@ async fn the_example_keeps_an_earlier_database_name_in_database_url_and_drops_on
             .env("NO_COLOR", "1")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null());
-        if let Some(name) = name {
-            command.env("INBOX__DATABASE__NAME", name);
-        }
         command
     };
-    let mut service = example(&[], Some(&own)).spawn().unwrap();
+    let mut service = example(&[]).spawn().unwrap();
     let (started, log) = crate::support::consumes(&mut service);
     let _ = service.kill();
     let _ = service.wait();
-    let exists = |name: String| {
-        let env = &env;
-        async move {
-            env.db()
-                .await
-                .query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name])
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-                == 1
-        }
-    };
-    let created = exists(own.clone()).await;
-    let removed = example(&["--remove"], Some(&own)).output().unwrap();
-    let dropped = !exists(own.clone()).await;
-    let kept = example(&["--remove"], None).output().unwrap();
-    let still_there = exists(env.database.clone()).await;
-    // Whatever failed, the service's database does not outlive the test.
-    env.db()
-        .await
-        .batch_execute(&format!("DROP DATABASE IF EXISTS \"{own}\" WITH (FORCE)"))
-        .await
-        .unwrap();
-
     assert!(started, "the service did not start\n{log}");
-    assert!(created, "the service did not create database {own}");
-    let removed_said = String::from_utf8_lossy(&removed.stdout);
-    assert!(removed.status.success(), "--remove: {removed:?}");
-    assert!(dropped, "--remove left database {own}: {removed_said}");
-    assert!(
-        removed_said.contains(&format!("dropped database {own}")),
-        "{removed_said}"
-    );
+    let kept = example(&["--remove"]).output().unwrap();
     assert!(kept.status.success(), "--remove: {kept:?}");
-    assert!(still_there, "--remove dropped the database DATABASE_URL names");
+    let still_there: i64 = env
+        .db()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_database WHERE datname = $1",
+            &[&env.database],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(still_there, 1, "--remove dropped the database DATABASE_URL names");
     let kept_said = String::from_utf8_lossy(&kept.stdout);
     assert!(!kept_said.contains("dropped database"), "{kept_said}");
 }

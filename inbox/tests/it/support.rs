@@ -61,10 +61,8 @@ fn database_url() -> String {
 /// The URL of database `name` on the tests' server: what a service's
 /// `database.url` says to use it.
 pub(crate) fn database_url_of(name: &str) -> String {
-    let mut database = inbox::settings::DatabaseSettings {
-        url: database_url(),
-        ..Default::default()
-    };
+    let mut database = inbox::settings::DatabaseSettings::default();
+    database.url = database_url();
     database.set_dbname(name).expect("DATABASE_URL");
     database.url
 }
@@ -123,7 +121,7 @@ impl TestEnv {
     /// `config/test.toml` pointed at this test's database and queue.
     pub(crate) fn settings(&self) -> Settings {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
-        let mut settings = Settings::load_environment(&dir, "test")
+        let mut settings = inbox::internal::load_settings(&dir, Some("test"))
             .expect("config/test.toml")
             .into_inner();
         settings.database.url = database_url_of(&self.database);

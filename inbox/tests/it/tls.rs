@@ -91,7 +91,7 @@ async fn connect(url: &str) -> Result<Client, String> {
     let mut settings = Settings::default();
     settings.database.url = url.into();
     let config = settings.pg_config().map_err(|e| e.to_string())?;
-    let tls = settings.pg_tls().map_err(|e| e.to_string())?;
+    let tls = inbox::internal::pg_tls(&settings).map_err(|e| e.to_string())?;
     let (client, connection) = config.connect(tls).await.map_err(|e| chain(&e))?;
     tokio::spawn(connection);
     Ok(client)
