@@ -204,3 +204,41 @@ impl<'a> HeaderValue<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_read_as_this_librarys_values_whatever_their_amqp_type() {
+        let mut table = FieldTable::default();
+        table.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        table.insert("short".into(), AMQPValue::ShortString("s".into()));
+        table.insert("count".into(), AMQPValue::ShortUInt(7));
+        table.insert("big".into(), AMQPValue::LongLongInt(-1 << 40));
+        table.insert("ratio".into(), AMQPValue::Double(0.5));
+        table.insert("flag".into(), AMQPValue::Boolean(true));
+        table.insert("at".into(), AMQPValue::Timestamp(1_700_000_000));
+        table.insert("nested".into(), AMQPValue::FieldTable(FieldTable::default()));
+        table.insert("bytes".into(), AMQPValue::LongString(vec![0xff, b'a'].into()));
+        let headers = Headers(&table);
+        assert_eq!(
+            headers.get("tenant").as_ref().and_then(HeaderValue::as_text),
+            Some("acme")
+        );
+        assert_eq!(headers.get("short"), Some(HeaderValue::Text("s".into())));
+        assert_eq!(headers.get("count"), Some(HeaderValue::Integer(7)));
+        assert_eq!(headers.get("big"), Some(HeaderValue::Integer(-1 << 40)));
+        assert_eq!(headers.get("ratio"), Some(HeaderValue::Float(0.5)));
+        assert_eq!(headers.get("flag"), Some(HeaderValue::Bool(true)));
+        assert_eq!(headers.get("at"), Some(HeaderValue::Timestamp(1_700_000_000)));
+        assert_eq!(headers.get("nested"), Some(HeaderValue::Other));
+        // Bytes that are not UTF-8 are replaced, not refused: headers are
+        // untrusted, and reading one must not fail the message.
+        assert_eq!(headers.get("bytes"), Some(HeaderValue::Text("\u{fffd}a".into())));
+        assert_eq!(headers.get("missing"), None);
+        assert!(headers.contains("flag") && !headers.contains("missing"));
+        assert_eq!(headers.len(), 9);
+        assert_eq!(headers.iter().count(), 9);
+    }
+}

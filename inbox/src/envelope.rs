@@ -252,7 +252,7 @@ impl Envelope {
     /// The envelope of a message staged with
     /// [`UnitOfWork::publish`](crate::UnitOfWork::publish), delivered in
     /// process to `consumer`.
-    pub fn from_outgoing(outgoing: &crate::outbox::Outgoing, consumer: &str) -> Self {
+    pub fn from_outgoing(outgoing: &crate::outbox::staging::Outgoing, consumer: &str) -> Self {
         let headers = outgoing.amqp_headers();
         let trace = TraceContext::from_headers(&headers);
         let envelope = Self {

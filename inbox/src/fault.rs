@@ -199,6 +199,12 @@ impl Fault<'_> {
     }
 }
 
+/// AMQP `delivery_mode` 2: the message survives a broker restart. Every
+/// message the runtime sends has it, the events it publishes as well as
+/// the copies it sets aside; here, below the broker code, so that both
+/// read it without a circle.
+pub(crate) const PERSISTENT: u8 = 2;
+
 /// The properties of a copy the runtime publishes of a delivery (a move to
 /// a retry tier, `Q.error` or `Q.skipped`, or a replay): the original's,
 /// with `headers`, less the two that belong to the producer's own publish.
@@ -235,7 +241,7 @@ pub(crate) fn copy_properties(original: &BasicProperties, mut headers: FieldTabl
     // with every property but those two.
     let mut copy = BasicProperties::default()
         .with_headers(headers)
-        .with_delivery_mode(crate::amqp::PERSISTENT);
+        .with_delivery_mode(PERSISTENT);
     if let Some(v) = original.content_type() {
         copy = copy.with_content_type(v.clone());
     }

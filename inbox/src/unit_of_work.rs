@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::context::MessageContext;
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
-use crate::outbox::{OutboxRows, Outgoing};
+use crate::outbox::staging::{OutboxRows, Outgoing};
 use crate::settings::Wire;
 use crate::trace::TraceContext;
 

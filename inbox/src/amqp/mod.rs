@@ -34,9 +34,6 @@ pub use topology::{bind_to_fanout, declare_queue, declare_topology, declare_wire
 /// The content type of this library's wire: the body is the event as JSON.
 pub(crate) const JSON: &str = "application/json";
 
-/// AMQP `delivery_mode` for messages that survive a broker restart.
-pub(crate) const PERSISTENT: u8 = 2;
-
 pub use crate::names::{error_queue, retry_queue, skipped_queue};
 
 /// Which of `message_bus.amqp_urls` the next connection tries first: one
@@ -264,5 +261,5 @@ pub(crate) fn message_properties(message_id: Uuid, message_type: &str) -> BasicP
         .with_message_id(message_id.to_string().into())
         .with_type(message_type.into())
         .with_content_type(JSON.into())
-        .with_delivery_mode(PERSISTENT)
+        .with_delivery_mode(crate::fault::PERSISTENT)
 }

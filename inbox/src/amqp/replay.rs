@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::fault;
 use crate::settings::Wire;
 
-use super::AmqpPublisher;
+use super::publisher::AmqpPublisher;
 
 /// Where [`replay`] takes messages from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -23,7 +23,8 @@ use crate::error::Result;
 use crate::settings::OutboxSettings;
 use crate::unit_of_work::UnitOfWork;
 
-use super::{Outgoing, Sink, headers};
+use super::sink::Sink;
+use super::staging::{Outgoing, headers};
 
 /// What one [`dispatch`] round did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use crate::amqp::AmqpPublisher;
 use crate::error::Result;
 use crate::settings::Wire;
 
-use super::Outgoing;
+use super::staging::Outgoing;
 
 /// Where dispatched messages go: the broker ([`AmqpPublisher`], with
 /// confirms), or, in process, the handlers.
