@@ -14,6 +14,7 @@ pub use crate::policy::{Abandoned, Outcome};
 pub use crate::retention::sweep;
 
 pub use ::deadpool_postgres;
+pub use ::lapin;
 
 /// [`Settings::load`](crate::Settings::load) from the files in `dir`, for
 /// the environment `inbox_env` (the tests' `config/test.toml`), whatever
@@ -33,7 +34,6 @@ pub fn pg_tls(settings: &crate::Settings) -> crate::Result<tokio_postgres_rustls
 pub async fn begin(connection: deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {
     crate::UnitOfWork::begin(connection).await
 }
-pub use ::lapin;
 
 /// The broker: connecting, declaring, publishing, replaying.
 pub mod amqp {

@@ -6,8 +6,9 @@
 //! The actors, one file each, with the messages they take:
 //! - `ConsumerActor` (`consumer.rs`): one RabbitMQ queue. Sends `Deliver`
 //!   (or `DeliverBatch`) to the dedup actor, and carries out what the
-//!   failure policy (`crate::policy::decide`) makes of each `Outcome` (`settle.rs`): ack, hold,
-//!   retry, or move to a retry tier, `Q.error` or `Q.skipped`. Takes
+//!   failure policy (`decide` in `policy.rs`) makes of each `Outcome`
+//!   (`settle.rs`): ack, hold, retry, or move to a retry tier, `Q.error`
+//!   or `Q.skipped`. Takes
 //!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
 //! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
 //!   inbox, sends `Handle` (or `HandleBatch`) to the event type's handler
@@ -29,8 +30,8 @@
 //! unsettled deliveries), `availability.rs` (the gate that waits out a
 //! database outage), `health.rs` (liveness and readiness), `monitor.rs`
 //! (the handle on health and stats), `metrics.rs` (what the runtime
-//! records through the `metrics` facade), `publisher.rs`, `stats.rs`,
-//! `runtime.rs`.
+//! records through the `metrics` facade), `tally.rs` (what both count),
+//! `publisher.rs`, `stats.rs`, `runtime.rs`.
 
 mod acks;
 mod availability;
