@@ -29,6 +29,11 @@ pub fn pg_tls(settings: &crate::Settings) -> crate::Result<tokio_postgres_rustls
     settings.pg_tls()
 }
 
+/// The dedup actor of `runtime`, to feed it deliveries directly.
+pub fn dedup_of(runtime: &crate::Runtime) -> &actix::Addr<DedupActor> {
+    runtime.dedup()
+}
+
 /// A unit of work on `connection`, as the runtime opens one (the tests of
 /// its guard against pooling an open transaction).
 pub async fn begin(connection: deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {

@@ -555,9 +555,8 @@ impl Runtime {
         &self.pool
     }
 
-    /// The dedup actor, for this repository's tests (see [`internal`](crate::internal)).
-    #[doc(hidden)]
-    pub fn dedup(&self) -> &Addr<DedupActor> {
+    /// The dedup actor, for this repository's tests (`internal::dedup_of`).
+    pub(crate) fn dedup(&self) -> &Addr<DedupActor> {
         &self.dedup
     }
 

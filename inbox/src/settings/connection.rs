@@ -49,7 +49,8 @@ impl Settings {
     ///
     /// libpq's TLS parameters are read apart (tokio-postgres knows none
     /// but `sslmode`): the configuration requires TLS for `require` and the
-    /// `verify-*` modes, and [`Settings::pg_tls`] says what is verified.
+    /// `verify-*` modes, and the runtime's connector verifies what they say
+    /// (docs/operations.md, "TLS and secrets").
     /// `database.password` or `database.password_file` replace the URL's
     /// password.
     pub fn pg_config(&self) -> Result<tokio_postgres::Config> {

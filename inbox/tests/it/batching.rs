@@ -283,8 +283,7 @@ async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery()
         .start()
         .await
         .unwrap();
-    let outcomes = runtime
-        .dedup()
+    let outcomes = inbox::internal::dedup_of(&runtime)
         .send(DeliverBatch {
             consumer: env.queue.as_str().into(),
             envelopes,

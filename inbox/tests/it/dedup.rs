@@ -150,8 +150,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
         &env.queue,
     )
     .unwrap();
-    let outcome = runtime
-        .dedup()
+    let outcome = inbox::internal::dedup_of(&runtime)
         .send(Deliver {
             consumer: env.queue.as_str().into(),
             envelope: envelope.into(),
