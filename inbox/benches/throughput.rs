@@ -105,13 +105,13 @@ use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
 use common::{BoxError as Error, Result};
 use futures_util::StreamExt;
 use inbox::Runtime;
-use inbox::internal::amqp;
-use inbox::internal::deadpool_postgres::Pool;
-use inbox::internal::lapin::options::{
+use inbox::tools;
+use inbox::tools::deadpool_postgres::Pool;
+use inbox::tools::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
-use inbox::internal::lapin::types::FieldTable;
-use inbox::internal::lapin::{BasicProperties, Channel, Connection, Consumer};
+use inbox::tools::lapin::types::FieldTable;
+use inbox::tools::lapin::{BasicProperties, Channel, Connection, Consumer};
 use inbox::{IntegrationEvent, Message, QueueSettings, Settings, Wire};
 use tokio::sync::Mutex;
 
@@ -268,7 +268,7 @@ async fn run() -> Result<()> {
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::internal::create_pool(&settings)?;
+    let pool = inbox::tools::create_pool(&settings)?;
     common::create_tables(&pool).await?;
     inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     // `handwritten_forward`'s outbox: the runtime's table without its
@@ -277,7 +277,7 @@ async fn run() -> Result<()> {
         .await?
         .batch_execute("CREATE TABLE handwritten_outbox (LIKE outbox_messages INCLUDING ALL)")
         .await?;
-    let connection = amqp::connect(&settings, "inbox throughput").await?;
+    let connection = tools::connect(&settings, "inbox throughput").await?;
 
     let workload = Workload::new(count, dup_ratio);
     eprintln!(
@@ -303,12 +303,13 @@ async fn run() -> Result<()> {
             };
             match wire {
                 Wire::Inbox => {
-                    amqp::declare_topology(&channel, &queue, &settings.failure).await?;
+                    tools::declare_topology(&channel, &queue, &settings.failure).await?;
                     prefill(&connection, &queue.name, &workload).await?;
                 }
                 Wire::Masstransit => {
                     let types = [common::masstransit::AttendeeCheckedIn::TYPE];
-                    amqp::declare_wire_topology(&connection, &queue, &settings.failure, wire, &types).await?;
+                    tools::declare_wire_topology(&connection, &queue, &settings.failure, wire, &types)
+                        .await?;
                     prefill_masstransit(&connection, &workload).await?;
                 }
             }
@@ -829,7 +830,7 @@ struct ForwardByHand {
 async fn process_by_hand(
     pool: &Pool,
     consumer: &str,
-    delivery: &inbox::internal::lapin::message::Delivery,
+    delivery: &inbox::tools::lapin::message::Delivery,
     forward: Option<&ForwardByHand>,
 ) -> Result<()> {
     let id = delivery
@@ -974,10 +975,10 @@ async fn light_load(rate: u32, seconds: u32, repeat: usize) -> Result<()> {
     settings.database.run_migrations = false;
     settings.message_bus.enable_inbox = Some(true);
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::internal::create_pool(&settings)?;
+    let pool = inbox::tools::create_pool(&settings)?;
     common::create_tables(&pool).await?;
     inbox::internal::run_migrations(&mut *pool.get().await?).await?;
-    let connection = amqp::connect(&settings, "inbox throughput light load").await?;
+    let connection = tools::connect(&settings, "inbox throughput light load").await?;
     let count = (rate * seconds) as usize;
     let default_batch = QueueSettings::new("default").batch_size;
     let configs = [("inbox_on", 1), ("inbox_default", default_batch)];
@@ -992,7 +993,7 @@ async fn light_load(rate: u32, seconds: u32, repeat: usize) -> Result<()> {
             let mut queue = QueueSettings::new(format!("throughput.light.{name}.{}", uuid::Uuid::now_v7()));
             queue.batch_size = *batch_size;
             let channel = connection.create_channel().await?;
-            amqp::declare_topology(&channel, &queue, &settings.failure).await?;
+            tools::declare_topology(&channel, &queue, &settings.failure).await?;
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
             let runtime = Runtime::builder(for_runtime.validate()?)
@@ -1141,7 +1142,7 @@ impl Forwarded {
         channel
             .queue_declare(
                 queue.as_str().into(),
-                inbox::internal::lapin::options::QueueDeclareOptions::default(),
+                inbox::tools::lapin::options::QueueDeclareOptions::default(),
                 FieldTable::default(),
             )
             .await?;
@@ -1268,9 +1269,9 @@ async fn outbox(rows: usize) -> Result<()> {
     settings.database.set_dbname(DATABASE)?;
     settings.queues.clear();
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::internal::create_pool(&settings)?;
+    let pool = inbox::tools::create_pool(&settings)?;
     inbox::internal::run_migrations(&mut *pool.get().await?).await?;
-    let connection = amqp::connect(&settings, "inbox throughput outbox").await?;
+    let connection = tools::connect(&settings, "inbox throughput outbox").await?;
     let channel = connection.create_channel().await?;
     let target = format!("throughput.outbox.{}", uuid::Uuid::now_v7());
     channel

@@ -1,9 +1,8 @@
 //! [`MessageContext`]: what a handler knows of the message it handles,
 //! through its unit of work.
 
-use std::sync::Arc;
-
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use lapin::types::{AMQPValue, FieldTable};
 use uuid::Uuid;

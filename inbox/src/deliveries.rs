@@ -8,10 +8,10 @@
 //! Only redeliveries are counted: a first delivery costs nothing, so the
 //! common path pays nothing for it.
 
-use crate::Error;
 use deadpool_postgres::Pool;
 use uuid::Uuid;
 
+use crate::Error;
 use crate::error::Result;
 
 /// Records one more delivery of `message_id` for `consumer`, one the

@@ -1,13 +1,13 @@
 //! The envelope: one delivery decoded per the wire-format contract, before
 //! its body is read as any particular event.
 
-use crate::amqp::JSON;
 use std::fmt;
 
 use lapin::BasicProperties;
 use lapin::types::FieldTable;
 use uuid::Uuid;
 
+use crate::amqp::JSON;
 use crate::event::{IntegrationEvent, Message};
 use crate::trace::TraceContext;
 

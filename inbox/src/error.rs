@@ -370,13 +370,19 @@ impl Error {
         Error(Box::new(error.into()))
     }
 
-    /// What an inbox store failed with, as ours: the runtime's own errors
-    /// (from `PgInboxStore`) as they are,
-    /// anything else a database failure with it as the source.
+    /// What an inbox store failed with, as ours: our own errors as they
+    /// are, PostgreSQL's (what `?` boxes in any store, `PgInboxStore`
+    /// included) as the database errors they are, anything else a store
+    /// failure with it as the source. All of them are `Database` errors,
+    /// read as an outage when the connection went away.
     pub(crate) fn store(error: Box<dyn std::error::Error + Send + Sync + 'static>) -> Self {
-        match error.downcast::<Error>() {
-            Ok(ours) => *ours,
-            Err(theirs) => Repr::Store(theirs).into(),
+        let error = match error.downcast::<Error>() {
+            Ok(ours) => return *ours,
+            Err(other) => other,
+        };
+        match error.downcast::<tokio_postgres::Error>() {
+            Ok(database) => Repr::Database(*database).into(),
+            Err(other) => Repr::Store(other).into(),
         }
     }
 
@@ -628,6 +634,25 @@ mod tests {
             .is_unavailable()
         );
         assert!(!Error::client(deadpool_postgres::PoolError::Closed).is_unavailable());
+    }
+
+    #[test]
+    fn a_stores_errors_are_database_errors_and_ours_stay_as_they_are() {
+        let ours = Error::store(Box::new(Error::new(ErrorKind::Usage, "misused")));
+        assert_eq!(ours.kind(), ErrorKind::Usage);
+        assert_eq!(ours.to_string(), "misused");
+        // An HTTP call's refusal inside a store of a service's own: a
+        // database failure of the store, with its cause, and (an I/O error)
+        // read as an outage, as the store's connection going away would be.
+        let io = Error::store(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        assert_eq!(io.kind(), ErrorKind::Database);
+        assert!(io.to_string().starts_with("inbox store error: "), "{io}");
+        assert!(io.is_unavailable());
+        let plain = Error::store("no such tenant".into());
+        assert_eq!(plain.kind(), ErrorKind::Database);
+        assert!(!plain.is_unavailable(), "{plain}");
     }
 
     #[test]

@@ -5,16 +5,12 @@
 
 pub use crate::actors::{DedupActor, Deliver, DeliverBatch, Stats, latency_bound};
 pub use crate::context::{CAUSATION_ID, CORRELATION_ID};
-pub use crate::db::create_pool;
 pub use crate::envelope::Envelope;
 pub use crate::error::describe;
-pub use crate::migrations::{migrate, run_migrations};
+pub use crate::migrations::run_migrations;
 pub use crate::outbox::{Outgoing, Sink, dispatch};
 pub use crate::policy::{Abandoned, Outcome};
 pub use crate::retention::sweep;
-
-pub use ::deadpool_postgres;
-pub use ::lapin;
 
 /// [`Settings::load`](crate::Settings::load) from the files in `dir`, for
 /// the environment `inbox_env` (the tests' `config/test.toml`), whatever
@@ -36,16 +32,8 @@ pub fn dedup_of(runtime: &crate::Runtime) -> &actix::Addr<DedupActor> {
 
 /// A unit of work on `connection`, as the runtime opens one (the tests of
 /// its guard against pooling an open transaction).
-pub async fn begin(connection: deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {
+pub async fn begin(connection: ::deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {
     crate::UnitOfWork::begin(connection).await
-}
-
-/// The broker: connecting, declaring, publishing, replaying.
-pub mod amqp {
-    pub use crate::amqp::{
-        AmqpPublisher, SetAside, bind_to_fanout, connect, declare_queue, declare_topology,
-        declare_wire_topology, error_queue, replay, replay_on, retry_queue, skipped_queue,
-    };
 }
 
 /// The fault headers a set-aside copy carries.
@@ -63,7 +51,7 @@ pub mod masstransit {
 
 /// The outbox's parts a test watches.
 pub mod outbox {
-    pub use crate::outbox::{backlog, retry_dead};
+    pub use crate::outbox::backlog;
 }
 
 /// W3C trace context in AMQP headers, as the runtime reads and writes it.

@@ -139,14 +139,15 @@ pub use ::tokio_postgres;
 pub use ::uuid;
 
 /// For producers and operators, outside a runtime: connecting to the
-/// broker, declaring a queue (with its retry tiers and error queues, or
-/// alone, or bound to an event type's exchange), publishing with confirms,
+/// broker, declaring a queue (with its retry tiers and error queues, on
+/// this library's wire or MassTransit's, or alone, or bound to an event
+/// type's exchange), publishing with confirms,
 /// replaying what was set aside, reviving dead outbox rows, and the
 /// database pool and migrations, as the examples use them.
 pub mod tools {
     pub use crate::amqp::{
         AmqpPublisher, ReplayReport, SetAside, bind_to_fanout, connect, declare_queue, declare_topology,
-        error_queue, replay, replay_on, retry_queue, skipped_queue,
+        declare_wire_topology, error_queue, replay, replay_on, retry_queue, skipped_queue,
     };
     pub use crate::db::{create_pool, wait_for_database};
     pub use crate::migrations::migrate;

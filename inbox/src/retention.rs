@@ -2,11 +2,11 @@
 //! older than `retention.days`, in bounded batches, one instance per
 //! database at a time (ADR-005: one cleanup for every table).
 
-use crate::Error;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, Pool};
 
+use crate::Error;
 use crate::error::Result;
 use crate::settings::RetentionSettings;
 

@@ -45,7 +45,7 @@ async fn while_the_broker_blocks_publishing_the_outbox_waits_and_sends_each_row_
     let forward = env.another_queue("forward");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_queue(&channel, &forward, inbox::QueueKind::Quorum)
+    inbox::tools::declare_queue(&channel, &forward, inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "declared".into()).await.unwrap();

@@ -69,11 +69,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{AttendeeCheckedIn, XorShift};
 use common::{BoxError as Error, Result};
-use inbox::internal::amqp;
-use inbox::internal::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
-use inbox::internal::lapin::types::FieldTable;
-use inbox::internal::lapin::{BasicProperties, Connection};
+use inbox::tools;
 use inbox::tools::AmqpPublisher;
+use inbox::tools::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use inbox::tools::lapin::types::FieldTable;
+use inbox::tools::lapin::{BasicProperties, Connection};
 use inbox::{Message, QueueSettings, Settings, Wire};
 
 const DATABASE: &str = "inbox_faults";
@@ -391,7 +391,7 @@ impl Suite {
         // would gives its outbox something to send.
         let probe_queue = alarm_queue(&self.queue);
         let connection = connect(&self.settings).await?;
-        amqp::declare_queue(
+        tools::declare_queue(
             &connection.create_channel().await?,
             &probe_queue,
             inbox::QueueKind::Classic,
@@ -403,7 +403,7 @@ impl Suite {
             self.rabbitmqctl()
         ))?;
         self.say("raised a memory alarm");
-        let pool = inbox::internal::create_pool(&self.settings)?;
+        let pool = inbox::tools::create_pool(&self.settings)?;
         pool.get()
             .await?
             .execute(
@@ -726,7 +726,7 @@ fn forward_queue(queue: &str) -> String {
 
 /// Rows the service's outbox still has to publish.
 async fn pending_forwards(settings: &Settings) -> Result<i64> {
-    let pool = inbox::internal::create_pool(settings)?;
+    let pool = inbox::tools::create_pool(settings)?;
     let count = pool
         .get()
         .await?
@@ -804,7 +804,7 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
 /// `wire`'s format.
 fn forwarded_source(
     wire: Wire,
-    delivery: &inbox::internal::lapin::message::Delivery,
+    delivery: &inbox::tools::lapin::message::Delivery,
 ) -> Option<inbox::uuid::Uuid> {
     match wire {
         Wire::Inbox => serde_json::from_slice::<common::CheckinRecorded>(&delivery.data)
@@ -853,7 +853,7 @@ async fn connect(settings: &Settings) -> Result<Arc<Connection>> {
     // Briefly: the callers try again themselves, or report a broker down.
     let mut settings = settings.clone();
     settings.message_bus.connect_timeout = Duration::from_secs(3);
-    Ok(amqp::connect(&settings, "fault suite").await?)
+    Ok(tools::connect(&settings, "fault suite").await?)
 }
 
 /// Messages ready in `queue`.
@@ -862,7 +862,7 @@ async fn ready(settings: &Settings, queue: &str) -> Result<u32> {
 }
 
 /// `queue` as the broker sees it (a passive declare).
-async fn probe(settings: &Settings, queue: &str) -> Result<inbox::internal::lapin::Queue> {
+async fn probe(settings: &Settings, queue: &str) -> Result<inbox::tools::lapin::Queue> {
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
@@ -1116,7 +1116,7 @@ async fn check(
     poison: inbox::uuid::Uuid,
     ok_exit: bool,
 ) -> Result<bool> {
-    let pool = inbox::internal::create_pool(&suite.settings)?;
+    let pool = inbox::tools::create_pool(&suite.settings)?;
     let db = pool.get().await?;
     let inbox_ids: HashSet<inbox::uuid::Uuid> = db
         .query(
@@ -1191,7 +1191,7 @@ async fn check(
                         .inner()
                         .get("x-inbox-handler")?;
                     match handler {
-                        inbox::internal::lapin::types::AMQPValue::LongString(text) => {
+                        inbox::tools::lapin::types::AMQPValue::LongString(text) => {
                             Some(String::from_utf8_lossy(text.as_bytes()).replace(' ', "_"))
                         }
                         _ => None,
@@ -1322,8 +1322,8 @@ async fn check(
 /// `Q_error` classic and durable with no arguments, each behind a fanout
 /// exchange of its name, and the check-in's exchange bound to `Q`'s.
 async fn declare_as_masstransit(settings: &Settings, queue: &str) -> Result<()> {
-    use inbox::internal::lapin::ExchangeKind;
-    use inbox::internal::lapin::options::ExchangeDeclareOptions;
+    use inbox::tools::lapin::ExchangeKind;
+    use inbox::tools::lapin::options::ExchangeDeclareOptions;
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let durable = QueueDeclareOptions {
@@ -1376,7 +1376,7 @@ async fn declare_as_masstransit(settings: &Settings, queue: &str) -> Result<()> 
 
 /// The reason of the newest `x-death` entry the broker stamped.
 fn death_reason(properties: &BasicProperties) -> Option<String> {
-    use inbox::internal::lapin::types::AMQPValue;
+    use inbox::tools::lapin::types::AMQPValue;
     let AMQPValue::FieldArray(deaths) = properties.headers().as_ref()?.inner().get("x-death")? else {
         return None;
     };

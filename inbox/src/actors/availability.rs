@@ -17,11 +17,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::Settings;
-use crate::backoff::Backoff;
-use crate::tokio_postgres::SimpleQueryMessage;
 use deadpool_postgres::{Object, Pool};
 use tokio::sync::Mutex;
+use tokio_postgres::SimpleQueryMessage;
+
+use crate::Settings;
+use crate::backoff::Backoff;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);

@@ -11,15 +11,15 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::UnitOfWork;
-use crate::envelope::Envelope;
-use crate::policy::{Abandoned, Outcome, Stage};
-use crate::store::{Claim, InboxKey};
 use tokio::sync::Semaphore;
 
+use crate::UnitOfWork;
 use crate::actors::dedup::{DeliverBatch, Route, Work, give_up, key, roll_back};
 use crate::actors::handler::Handled;
 use crate::actors::tally::Tally;
+use crate::envelope::Envelope;
+use crate::policy::{Abandoned, Outcome, Stage};
+use crate::store::{Claim, InboxKey};
 
 /// How the attempt on a whole batch ended.
 enum WholeBatch {

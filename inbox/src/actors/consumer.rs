@@ -52,7 +52,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::{QueueSettings, Settings};
 use actix::prelude::*;
 use futures_util::future::ready;
 use futures_util::stream::{self, Stream, StreamExt};
@@ -68,6 +67,7 @@ use crate::actors::link::Link;
 use crate::actors::metrics::QueueMetrics;
 use crate::actors::settle::{Dialect, Pending, Settler};
 use crate::actors::stats::Stats;
+use crate::{QueueSettings, Settings};
 
 /// Stop consuming and resolve once no message is in flight.
 #[derive(Message)]

@@ -23,18 +23,12 @@
 //! by an outage; a failed handler whose rollback finds the connection gone
 //! is reported the same way. A handler's error alone never is.
 
-use crate::Error;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::UnitOfWork;
-use crate::envelope::Envelope;
-use crate::policy::{Abandoned, Outcome, Stage};
-use crate::store::{Claim, DynInboxStore, InboxKey};
-use crate::unit_of_work::Outbox;
 use actix::prelude::*;
 use deadpool_postgres::Pool;
 use futures_util::FutureExt;
@@ -42,9 +36,15 @@ use metrics::Histogram;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
+use crate::Error;
+use crate::UnitOfWork;
 use crate::actors::handler::{Handle, HandleBatch, Handled, HandlerFailure};
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
+use crate::envelope::Envelope;
+use crate::policy::{Abandoned, Outcome, Stage};
+use crate::store::{Claim, DynInboxStore, InboxKey};
+use crate::unit_of_work::Outbox;
 
 /// Process one message through the inbox.
 #[derive(Debug, Message)]
@@ -78,7 +78,7 @@ pub(crate) struct CountRedelivery {
     /// The consumer id: the first half of the key.
     pub(crate) consumer: Arc<str>,
     /// The message.
-    pub(crate) message_id: crate::uuid::Uuid,
+    pub(crate) message_id: uuid::Uuid,
 }
 
 /// The handler actor of one event type, as the dedup actor addresses it.

@@ -19,13 +19,14 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use crate::envelope::Envelope;
-use crate::handler::DynEventHandler;
-use crate::{IntegrationEvent, MessageContext, Permanent, UnitOfWork};
 use actix::prelude::*;
 use futures_util::FutureExt;
 use metrics::Histogram;
 use tracing::Instrument;
+
+use crate::envelope::Envelope;
+use crate::handler::DynEventHandler;
+use crate::{IntegrationEvent, MessageContext, Permanent, UnitOfWork};
 
 /// Run the handlers for one message inside its unit of work. Sent with
 /// [`handle`].
@@ -271,7 +272,7 @@ pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
 /// Decodes a body into an event type before a message's transaction
 /// begins: a body that is not its event goes to the error queue without
 /// costing a transaction and a rollback, and one that is has its event
-/// held in the envelope ([`crate::envelope::Decoded`]) for the handler
+/// held in the envelope ([`crate::envelope::DecodedEvent`]) for the handler
 /// actor, which parses it no second time.
 pub(crate) type Decodes = fn(&[u8]) -> Result<Box<dyn std::any::Any + Send>, String>;
 

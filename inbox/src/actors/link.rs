@@ -1,17 +1,17 @@
 //! [`Link`]: a queue's link to the broker, and opening it again.
 
-use crate::Error;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::amqp::AmqpPublisher;
-use crate::backoff::Backoff;
-use crate::{QueueSettings, Settings, amqp};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
 
+use crate::Error;
 use crate::actors::handler::HandledTypes;
+use crate::amqp::AmqpPublisher;
+use crate::backoff::Backoff;
+use crate::{QueueSettings, Settings, amqp};
 
 /// The first pause before reconnecting; doubled up to [`MAX_RECONNECT_PAUSE`].
 const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(100);

@@ -15,8 +15,6 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use crate::settings::OutboxSettings;
-use crate::unit_of_work::Outbox;
 use actix::prelude::*;
 use deadpool_postgres::Pool;
 use futures_util::FutureExt;
@@ -24,6 +22,8 @@ use tokio::sync::watch;
 
 use crate::actors::publisher::Publisher;
 use crate::actors::stats::Stats;
+use crate::settings::OutboxSettings;
+use crate::unit_of_work::Outbox;
 
 /// Stop dispatching once the round in progress is done (shutdown).
 #[derive(Message)]

@@ -2,17 +2,17 @@
 
 use std::sync::Arc;
 
-use crate::amqp::AmqpPublisher;
-use crate::envelope::Envelope;
-use crate::outbox::{Outgoing, Sink};
-use crate::policy::Outcome;
-use crate::{Error, ErrorKind, IntegrationEvent, Message, Result};
 use actix::Recipient;
 use futures_util::future::BoxFuture;
 
 use crate::actors::dedup::Deliver;
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
+use crate::amqp::AmqpPublisher;
+use crate::envelope::Envelope;
+use crate::outbox::{Outgoing, Sink};
+use crate::policy::Outcome;
+use crate::{Error, ErrorKind, IntegrationEvent, Message, Result};
 
 /// Publishes events the way the runtime's provider says: through RabbitMQ
 /// with publisher confirms, or, in process, straight to the handlers.

@@ -10,12 +10,12 @@
 
 use std::sync::Arc;
 
-use crate::retention::SweepReport;
-use crate::settings::RetentionSettings;
 use actix::prelude::*;
 use deadpool_postgres::Pool;
 
 use crate::actors::stats::Stats;
+use crate::retention::SweepReport;
+use crate::settings::RetentionSettings;
 
 /// Sweep now, whatever the interval says.
 #[derive(Debug, Message)]

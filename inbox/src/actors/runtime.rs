@@ -7,13 +7,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::handler::DynEventHandler;
-use crate::store::{DynInboxStore, InboxStore, NoopInboxStore, PgInboxStore};
-use crate::unit_of_work::Outbox;
-use crate::{
-    Error, ErrorKind, EventHandler, IntegrationEvent, Migration, Provider, Result, Settings, UnitOfWork,
-    ValidSettings,
-};
 use actix::prelude::*;
 use deadpool_postgres::Pool;
 use futures_util::future::join_all;
@@ -31,6 +24,13 @@ use crate::actors::outbox::{OutboxActor, StopDispatching};
 use crate::actors::publisher::Publisher;
 use crate::actors::retention::{RetentionActor, StopSweeping};
 use crate::actors::stats::{Stats, StatsSnapshot};
+use crate::handler::DynEventHandler;
+use crate::store::{DynInboxStore, InboxStore, NoopInboxStore, PgInboxStore};
+use crate::unit_of_work::Outbox;
+use crate::{
+    Error, ErrorKind, EventHandler, IntegrationEvent, Migration, Provider, Result, Settings, UnitOfWork,
+    ValidSettings,
+};
 
 /// The consumer id in-process publishing uses when no queue is configured.
 const IN_PROCESS_CONSUMER: &str = "in_process";

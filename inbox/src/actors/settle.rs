@@ -15,18 +15,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::Wire;
-use crate::amqp::AmqpPublisher;
-use crate::envelope::{DeliveryLabel, Envelope};
-use crate::fault::{FailureHistory, Fault, copy_properties};
-use crate::policy::Failure;
-use crate::policy::{Abandoned, Action, Outcome, Stage, Target};
-use crate::settings::FailureSettings;
 use actix::Addr;
 use lapin::message::Delivery;
 use lapin::options::BasicNackOptions;
 use tracing::Instrument;
 
+use crate::Wire;
 use crate::actors::acks::{AckWindow, Ticket};
 use crate::actors::availability::DatabaseGate;
 use crate::actors::dedup::{CountRedelivery, DedupActor, Deliver, DeliverBatch};
@@ -34,6 +28,11 @@ use crate::actors::handler::HandledTypes;
 use crate::actors::metrics::QueueMetrics;
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
+use crate::amqp::AmqpPublisher;
+use crate::envelope::{DeliveryLabel, Envelope};
+use crate::fault::{FailureHistory, Fault, copy_properties};
+use crate::policy::{Abandoned, Action, Failure, Outcome, Stage, Target};
+use crate::settings::FailureSettings;
 
 /// How long to wait before handing a message back to the broker when it
 /// could not be moved to a retry tier or the error queue (the broker is
@@ -664,11 +663,11 @@ impl Settler {
             return;
         };
         let message_type = envelope.event_type.as_str();
-        let message_id = crate::uuid::Uuid::now_v7();
+        let message_id = uuid::Uuid::now_v7();
         let timestamp = crate::fault::now();
         let fault = FaultEvent {
             message_id,
-            fault_id: crate::uuid::Uuid::now_v7(),
+            fault_id: uuid::Uuid::now_v7(),
             faulted_message_id: envelope.message_id,
             message_type,
             message: &envelope.body,

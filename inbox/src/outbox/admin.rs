@@ -1,9 +1,9 @@
 //! Reviving rows parked as dead, for an operator (the replay example).
 
-use crate::Error;
 use deadpool_postgres::Pool;
 use uuid::Uuid;
 
+use crate::Error;
 use crate::error::Result;
 
 use super::listen::CHANNEL;

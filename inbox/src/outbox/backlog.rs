@@ -1,10 +1,10 @@
 //! What waits in the outbox, sampled through its indexes.
 
-use crate::Error;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
+use crate::Error;
 use crate::error::Result;
 
 /// What waits to be dispatched: rows that are not dead, those other

@@ -10,7 +10,6 @@
 //! alarm, its confirmed rows' delete lost and the rows sent again, and it
 //! would hold back vacuum meanwhile.
 
-use crate::Error;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -18,6 +17,7 @@ use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 
+use crate::Error;
 use crate::backoff::Backoff;
 use crate::error::Result;
 use crate::settings::OutboxSettings;

@@ -4,8 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::{Settings, ValidSettings};
 use crate::error::{Error, Result};
+
+use super::{Settings, ValidSettings};
 
 impl Settings {
     /// Loads `default.toml`, `{INBOX_ENV}.toml` and the

@@ -1,5 +1,6 @@
-use super::{InboxKey, InboxStore, StoreResult};
 use crate::unit_of_work::UnitOfWork;
+
+use super::{InboxKey, InboxStore, StoreResult};
 
 /// Never deduplicates: every delivery, redeliveries included, reaches the
 /// handlers. What `message_bus.enable_inbox = false` runs.

@@ -2,8 +2,9 @@ use std::collections::HashSet;
 
 use uuid::Uuid;
 
-use super::{Claim, InboxKey, InboxStore, StoreResult};
 use crate::unit_of_work::UnitOfWork;
+
+use super::{Claim, InboxKey, InboxStore, StoreResult};
 
 /// Records processed messages in `inbox_messages`, inside the message's own
 /// transaction.

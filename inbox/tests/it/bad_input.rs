@@ -3,8 +3,8 @@ use std::time::Duration;
 use inbox::Message;
 use inbox::Runtime;
 use inbox::internal::fault::headers;
-use inbox::internal::lapin::BasicProperties;
-use inbox::internal::lapin::options::QueueDeleteOptions;
+use inbox::tools::lapin::BasicProperties;
+use inbox::tools::lapin::options::QueueDeleteOptions;
 
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, header, publish_keys, wait_until};
 
@@ -91,7 +91,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
 
     for (properties, body, reason) in &cases {
         let copy = env
-            .take(&inbox::internal::amqp::error_queue(&env.queue))
+            .take(&inbox::tools::error_queue(&env.queue))
             .await
             .expect("an error copy per malformed kind");
         assert_eq!(&copy.data, body, "the body is kept as it came");
@@ -113,7 +113,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
         );
     }
     let skipped = env
-        .take(&inbox::internal::amqp::skipped_queue(&env.queue))
+        .take(&inbox::tools::skipped_queue(&env.queue))
         .await
         .expect("the unknown type is skipped");
     let said = header(&skipped, headers::REASON).unwrap();
@@ -122,7 +122,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
         "{said}"
     );
     assert_eq!(
-        env.ready(&inbox::internal::amqp::error_queue(&env.queue)).await,
+        env.ready(&inbox::tools::error_queue(&env.queue)).await,
         0,
         "nothing else was set aside"
     );
@@ -140,7 +140,7 @@ async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     // The error queue disappears: no copy can be routed there.
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    let error_queue = inbox::internal::amqp::error_queue(&env.queue);
+    let error_queue = inbox::tools::error_queue(&env.queue);
     channel
         .queue_delete(error_queue.as_str().into(), QueueDeleteOptions::default())
         .await
@@ -205,7 +205,7 @@ async fn a_body_quoted_whole_in_its_error_still_reaches_the_error_queue_with_the
     runtime.shutdown().await;
     for body in &bodies {
         let copy = env
-            .take(&inbox::internal::amqp::error_queue(&env.queue))
+            .take(&inbox::tools::error_queue(&env.queue))
             .await
             .expect("in the error queue");
         assert_eq!(&copy.data, body, "the body is kept whole");
@@ -239,7 +239,7 @@ async fn a_body_that_is_not_its_event_is_set_aside_before_any_transaction_even_w
         let id = uuid::Uuid::now_v7().to_string();
         env.publish_raw(properties(Some(&id), Some("Counted")), br#"{"key": "one"}"#)
             .await;
-        let error_queue = inbox::internal::amqp::error_queue(&env.queue);
+        let error_queue = inbox::tools::error_queue(&env.queue);
         wait_until("it is in the error queue while the database is down", || async {
             env.ready(&error_queue).await == 1
         })

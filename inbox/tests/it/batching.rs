@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use inbox::Runtime;
 use inbox::internal::Envelope;
-use inbox::internal::lapin::options::{BasicGetOptions, BasicQosOptions};
 use inbox::internal::{DeliverBatch, Outcome};
 use inbox::tools::AmqpPublisher;
+use inbox::tools::lapin::options::{BasicGetOptions, BasicQosOptions};
 use inbox::{EventHandler, HandlerError, Message, Settings, UnitOfWork};
 
 use crate::hosting::HandWrittenStore;
@@ -658,8 +658,8 @@ async fn a_lone_message_that_keeps_failing_holds_up_no_later_message_by_default(
 #[actix_rt::test]
 async fn a_message_back_from_a_retry_tier_is_processed_alone_not_in_a_batch() {
     use inbox::internal::fault::headers;
-    use inbox::internal::lapin::BasicProperties;
-    use inbox::internal::lapin::types::{AMQPValue, FieldTable};
+    use inbox::tools::lapin::BasicProperties;
+    use inbox::tools::lapin::types::{AMQPValue, FieldTable};
 
     let env = TestEnv::new("batch_returning").await;
     let settings = batching(&env);

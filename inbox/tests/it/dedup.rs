@@ -3,8 +3,8 @@ use std::collections::HashMap;
 use inbox::Message;
 use inbox::Runtime;
 use inbox::internal::Envelope;
-use inbox::internal::lapin::options::BasicGetOptions;
 use inbox::internal::{Deliver, Outcome};
+use inbox::tools::lapin::options::BasicGetOptions;
 
 use crate::support::{Count, CountAgain, Counted, TestEnv, Valid, amqp, wait_until};
 
@@ -123,7 +123,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     // Another consumer takes the message before the runtime starts...
     let crashing = amqp().await;
     let channel = crashing.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     let message = Message::new(Counted { key: 3 });

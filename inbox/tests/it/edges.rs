@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use inbox::Runtime;
-use inbox::internal::amqp::error_queue;
 use inbox::internal::fault::headers;
-use inbox::internal::lapin::BasicProperties;
-use inbox::internal::lapin::types::{AMQPValue, FieldTable};
+use inbox::tools::error_queue;
+use inbox::tools::lapin::BasicProperties;
+use inbox::tools::lapin::types::{AMQPValue, FieldTable};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::outbox::with_forward_queue;
@@ -520,7 +520,7 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
         let results = futures_util::future::join_all(
             clients
                 .iter_mut()
-                .map(|client| inbox::internal::migrate(client, false, &schema, LOCK_WAIT)),
+                .map(|client| inbox::tools::migrate(client, false, &schema, LOCK_WAIT)),
         )
         .await;
         for result in results {
@@ -538,11 +538,11 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     }
     // A version applied under one name and listed under another is refused.
     let mut client = env.db().await;
-    inbox::internal::migrate(&mut client, false, &schema, LOCK_WAIT)
+    inbox::tools::migrate(&mut client, false, &schema, LOCK_WAIT)
         .await
         .unwrap();
     let renamed = [inbox::Migration::new(1, "customers", "CREATE TABLE customers ()")];
-    let refused = inbox::internal::migrate(&mut client, false, &renamed, LOCK_WAIT)
+    let refused = inbox::tools::migrate(&mut client, false, &renamed, LOCK_WAIT)
         .await
         .unwrap_err()
         .to_string();

@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use inbox::Runtime;
-use inbox::internal::amqp::{SetAside, error_queue, retry_queue};
 use inbox::internal::fault::headers;
 use inbox::tools::AmqpPublisher;
+use inbox::tools::{SetAside, error_queue, retry_queue};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, header, increment, wait_until};
@@ -244,7 +244,7 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
         .unwrap();
 
     let only: HashSet<_> = [failed.id, processed.id].into();
-    let report = inbox::internal::amqp::replay(&connection, &env.queue, SetAside::Error, Some(&only))
+    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, Some(&only))
         .await
         .unwrap();
     assert_eq!((report.replayed, report.left), (2, 1));
@@ -326,10 +326,10 @@ async fn a_message_delivered_past_the_delivery_limit_lands_in_the_error_queue() 
         let (channel, queue) = (channel.clone(), env.queue.clone());
         deliveries += 1;
         async move {
-            let options = inbox::internal::lapin::options::BasicGetOptions { no_ack: false };
+            let options = inbox::tools::lapin::options::BasicGetOptions { no_ack: false };
             match channel.basic_get(queue.as_str().into(), options).await.unwrap() {
                 Some(got) => {
-                    let requeue = inbox::internal::lapin::options::BasicNackOptions {
+                    let requeue = inbox::tools::lapin::options::BasicNackOptions {
                         requeue: true,
                         ..Default::default()
                     };
@@ -357,8 +357,8 @@ async fn a_message_delivered_past_the_delivery_limit_lands_in_the_error_queue() 
 }
 
 /// The reason of the newest `x-death` entry the broker stamped.
-fn death_reason(delivery: &inbox::internal::lapin::message::Delivery) -> Option<String> {
-    use inbox::internal::lapin::types::AMQPValue;
+fn death_reason(delivery: &inbox::tools::lapin::message::Delivery) -> Option<String> {
+    use inbox::tools::lapin::types::AMQPValue;
     let headers = delivery.properties.headers().as_ref()?;
     let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
         return None;
@@ -387,9 +387,9 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         history: inbox::internal::fault::FailureHistory::default(),
         source_queue: &env.queue,
     };
-    let mut stamped = inbox::internal::lapin::types::FieldTable::default();
+    let mut stamped = inbox::tools::lapin::types::FieldTable::default();
     fault.stamp(&mut stamped);
-    let properties = inbox::internal::lapin::BasicProperties::default()
+    let properties = inbox::tools::lapin::BasicProperties::default()
         .with_message_id(message.id.to_string().into())
         .with_type("Counted".into())
         .with_headers(stamped);
@@ -397,7 +397,7 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         .await
         .unwrap()
         .publish_raw(
-            &inbox::internal::amqp::skipped_queue(&env.queue),
+            &inbox::tools::skipped_queue(&env.queue),
             properties,
             &message.to_json().unwrap(),
         )
@@ -409,16 +409,13 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         .start()
         .await
         .unwrap();
-    let report = inbox::internal::amqp::replay(&connection, &env.queue, SetAside::Skipped, None)
+    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Skipped, None)
         .await
         .unwrap();
     assert_eq!((report.replayed, report.left), (1, 0));
     wait_until("it is processed", || async { runtime.stats().completed == 1 }).await;
     runtime.shutdown().await;
     assert_eq!(env.count("counts", 9).await, 1);
-    assert_eq!(
-        env.ready(&inbox::internal::amqp::skipped_queue(&env.queue)).await,
-        0
-    );
+    assert_eq!(env.ready(&inbox::tools::skipped_queue(&env.queue)).await, 0);
     connection.close(200, "done".into()).await.unwrap();
 }

@@ -253,7 +253,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     }
     assert_eq!(env.ready(&env.queue).await, 0);
     assert_eq!(
-        env.ready(&inbox::internal::amqp::error_queue(&env.queue)).await,
+        env.ready(&inbox::tools::error_queue(&env.queue)).await,
         1,
         "key 5 was set aside once: the stale copy was not processed"
     );
@@ -296,10 +296,7 @@ async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing(
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
     assert_eq!(env.ready(&env.queue).await, 0);
-    assert_eq!(
-        env.ready(&inbox::internal::amqp::error_queue(&env.queue)).await,
-        0
-    );
+    assert_eq!(env.ready(&inbox::tools::error_queue(&env.queue)).await, 0);
 }
 
 #[actix_rt::test]
@@ -318,7 +315,7 @@ async fn a_broker_network_that_drops_packets_holds_messages_and_loses_nothing() 
         async move {
             for key in keys {
                 let message = Message::new(Counted { key });
-                let properties = inbox::internal::lapin::BasicProperties::default()
+                let properties = inbox::tools::lapin::BasicProperties::default()
                     .with_message_id(message.id.to_string().into())
                     .with_type("Counted".into());
                 env.publish_raw(properties, &message.to_json().unwrap()).await;

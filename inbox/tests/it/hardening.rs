@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::internal::amqp::{error_queue, retry_queue};
 use inbox::internal::fault::headers;
-use inbox::internal::lapin::BasicProperties;
-use inbox::internal::lapin::types::{AMQPValue, FieldTable};
+use inbox::tools::lapin::BasicProperties;
+use inbox::tools::lapin::types::{AMQPValue, FieldTable};
+use inbox::tools::{error_queue, retry_queue};
 use inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
 use inbox::{Runtime, StatsSnapshot};
 
@@ -79,7 +79,7 @@ impl EventHandler<Counted> for FailsFor {
 /// What became of key 7 when it failed `how` among keys 0..5.
 struct Failed {
     /// Its copy in the error queue.
-    copy: inbox::internal::lapin::message::Delivery,
+    copy: inbox::tools::lapin::message::Delivery,
     /// The handler's calls for it.
     calls: usize,
     stats: StatsSnapshot,

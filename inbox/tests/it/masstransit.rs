@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 
 use inbox::Runtime;
-use inbox::internal::lapin::BasicProperties;
 use inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE;
+use inbox::tools::lapin::BasicProperties;
 use inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Permanent, UnitOfWork, Wire};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -202,10 +202,10 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     let subscriber = env.another_queue("subscriber");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
+    inbox::tools::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::internal::amqp::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
+    inbox::tools::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
         .await
         .unwrap();
     let runtime = Runtime::builder(masstransit(&env).valid())
@@ -470,7 +470,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     // fanout exchange.
     let forward = env.another_queue("recorded");
     let connection = amqp().await;
-    inbox::internal::amqp::declare_wire_topology(
+    inbox::tools::declare_wire_topology(
         &connection,
         &inbox::QueueSettings::new(&forward),
         &Default::default(),
@@ -649,14 +649,12 @@ async fn a_message_replayed_from_q_error_runs_again_without_masstransits_fault_h
     })
     .await;
 
-    let connection = inbox::internal::amqp::connect(&settings, "test replay")
-        .await
-        .unwrap();
-    let report = inbox::internal::amqp::replay_on(
+    let connection = inbox::tools::connect(&settings, "test replay").await.unwrap();
+    let report = inbox::tools::replay_on(
         Wire::Masstransit,
         &connection,
         &env.queue,
-        inbox::internal::amqp::SetAside::Error,
+        inbox::tools::SetAside::Error,
         None,
     )
     .await
@@ -706,16 +704,16 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     assert_eq!(exchange, "MassTransit:Fault--Inbox.Tests.MassTransit:Faulted--");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
+    inbox::tools::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::internal::amqp::bind_to_fanout(&channel, &faults, &exchange)
+    inbox::tools::bind_to_fanout(&channel, &faults, &exchange)
         .await
         .unwrap();
-    inbox::internal::amqp::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
+    inbox::tools::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::internal::amqp::bind_to_fanout(
+    inbox::tools::bind_to_fanout(
         &channel,
         &all_faults,
         inbox::internal::masstransit::FAULT_EXCHANGE,
@@ -784,9 +782,9 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
 /// `Q_error` behind its own exchange, as a first fault leaves it. No
 /// `Q_skipped`: MassTransit declares it at the first message it skips.
 async fn declare_as_masstransit(queue: &str, types: &[&str]) {
-    use inbox::internal::lapin::ExchangeKind;
-    use inbox::internal::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
-    use inbox::internal::lapin::types::FieldTable;
+    use inbox::tools::lapin::ExchangeKind;
+    use inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+    use inbox::tools::lapin::types::FieldTable;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let durable = QueueDeclareOptions {
@@ -845,7 +843,7 @@ async fn declare_as_masstransit(queue: &str, types: &[&str]) {
 /// Whether `queue` is still as MassTransit declared it: classic, with no
 /// arguments (declaring it so again is no change).
 async fn still_without_arguments(queue: &str) -> bool {
-    use inbox::internal::lapin::options::QueueDeclareOptions;
+    use inbox::tools::lapin::options::QueueDeclareOptions;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let durable = QueueDeclareOptions {
@@ -1107,10 +1105,10 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
     }
     // Raw JSON where the endpoint reads raw: its type in a header.
     let raw_id = Uuid::now_v7();
-    let mut table = inbox::internal::lapin::types::FieldTable::default();
+    let mut table = inbox::tools::lapin::types::FieldTable::default();
     table.insert(
         mt::MESSAGE_TYPE.into(),
-        inbox::internal::lapin::types::AMQPValue::LongString(typed.as_str().into()),
+        inbox::tools::lapin::types::AMQPValue::LongString(typed.as_str().into()),
     );
     let raw_properties = BasicProperties::default()
         .with_message_id(raw_id.to_string().into())
@@ -1422,7 +1420,7 @@ async fn counted_per_type(env: &TestEnv) -> (i64, i64, i64) {
 
 #[actix_rt::test]
 async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
-    use inbox::internal::lapin::options::QueueDeclareOptions;
+    use inbox::tools::lapin::options::QueueDeclareOptions;
     let env = TestEnv::new("mt_error_left").await;
     // The endpoint's queue is gone, its error queue kept (as an operator
     // leaves it to look at): classic, without arguments.

@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use inbox::Runtime;
-use inbox::internal::lapin::options::BasicGetOptions;
-use inbox::internal::lapin::types::FieldTable;
+use inbox::tools::lapin::options::BasicGetOptions;
+use inbox::tools::lapin::types::FieldTable;
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{Counted, TestEnv, Valid, amqp, increment, publish_keys, wait_until};
@@ -39,7 +39,7 @@ impl EventHandler<Counted> for CountAndForward {
 pub(crate) async fn declare_queue(queue: &str) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
+    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
@@ -230,9 +230,7 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
     // The cause is fixed: the queue exists now. The dead row gets another
     // round of attempts and leaves.
     declare_queue(&nowhere).await;
-    let revived = inbox::internal::outbox::retry_dead(runtime.pool(), None)
-        .await
-        .unwrap();
+    let revived = inbox::tools::retry_dead(runtime.pool(), None).await.unwrap();
     assert_eq!(revived, 1);
     wait_until("the revived row arrives", || async {
         env.ready(&nowhere).await == 1
@@ -473,10 +471,10 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
     let mut flow = FieldTable::default();
     flow.insert(
         inbox::internal::CORRELATION_ID.into(),
-        inbox::internal::lapin::types::AMQPValue::LongString("flow-1".into()),
+        inbox::tools::lapin::types::AMQPValue::LongString("flow-1".into()),
     );
     let with = |id: uuid::Uuid, headers: FieldTable| {
-        inbox::internal::lapin::BasicProperties::default()
+        inbox::tools::lapin::BasicProperties::default()
             .with_message_id(id.to_string().into())
             .with_type("Counted".into())
             .with_headers(headers)
@@ -583,7 +581,7 @@ async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_c
 async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
     let env = TestEnv::new("outbox_retention").await;
     let settings = env.settings();
-    let pool = inbox::internal::create_pool(&settings).unwrap();
+    let pool = inbox::tools::create_pool(&settings).unwrap();
     inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
@@ -850,7 +848,7 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
 #[actix_rt::test]
 async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
     let env = TestEnv::new("outbox_backlog_sample").await;
-    let pool = inbox::internal::create_pool(&env.settings()).unwrap();
+    let pool = inbox::tools::create_pool(&env.settings()).unwrap();
     inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
@@ -927,7 +925,7 @@ async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_el
     for key in 0..3 {
         stage_from_another_session(&env, "nowhere", key).await;
     }
-    let pool = inbox::internal::create_pool(&settings).unwrap();
+    let pool = inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
     let dispatching = inbox::internal::dispatch(&pool, &held, &settings.outbox, 0);
     let watching = async {

@@ -82,8 +82,8 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     let settings = env.settings();
     // Each instance has its own pool, as two processes would.
     let (first, second) = (
-        inbox::internal::create_pool(&settings).unwrap(),
-        inbox::internal::create_pool(&settings).unwrap(),
+        inbox::tools::create_pool(&settings).unwrap(),
+        inbox::tools::create_pool(&settings).unwrap(),
     );
     inbox::internal::run_migrations(&mut first.get().await.unwrap())
         .await
@@ -180,7 +180,7 @@ async fn a_backlog_of_200000_due_rows_goes_in_bounded_batches() {
 async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
     let env = TestEnv::new("retention_sample").await;
     let settings = env.settings();
-    let pool = inbox::internal::create_pool(&settings).unwrap();
+    let pool = inbox::tools::create_pool(&settings).unwrap();
     inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use inbox::Runtime;
 use inbox::Wire;
-use inbox::internal::amqp::SetAside;
 use inbox::internal::fault::headers;
-use inbox::internal::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use inbox::internal::lapin::uri::{AMQPUri, AMQPUserInfo};
-use inbox::internal::lapin::{BasicProperties, Connection, ConnectionProperties};
+use inbox::tools::SetAside;
+use inbox::tools::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use inbox::tools::lapin::uri::{AMQPUri, AMQPUserInfo};
+use inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
 use uuid::Uuid;
 
 use crate::support::{
@@ -41,7 +41,7 @@ fn unknown() -> BasicProperties {
 
 /// Waits past the producer's TTL, then takes the one message of `queue`: a
 /// queue drops an expired message at the latest when it would deliver it.
-async fn take_after_the_ttl(env: &TestEnv, queue: &str) -> inbox::internal::lapin::message::Delivery {
+async fn take_after_the_ttl(env: &TestEnv, queue: &str) -> inbox::tools::lapin::message::Delivery {
     // A fixed wait, on purpose: what is asserted is that nothing expires.
     tokio::time::sleep(Duration::from_millis(TTL_MILLIS * 3)).await;
     env.take(queue)
@@ -208,7 +208,7 @@ async fn a_message_carrying_its_producers_user_id_is_set_aside_at_once_and_repla
         .publish(&Wire::Inbox.error_queue(&env.queue), good, br#"{"key": 2}"#)
         .await;
     let connection = amqp().await;
-    let report = inbox::internal::amqp::replay(&connection, &env.queue, SetAside::Error, None)
+    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
         .await
         .expect("the replay publishes as itself");
     assert_eq!(report.replayed, 1);

@@ -4,10 +4,10 @@
 use std::time::{Duration, Instant};
 
 use inbox::Runtime;
-use inbox::internal::lapin::ExchangeKind;
-use inbox::internal::lapin::options::ExchangeDeclareOptions;
-use inbox::internal::lapin::types::FieldTable;
 use inbox::tools::AmqpPublisher;
+use inbox::tools::lapin::ExchangeKind;
+use inbox::tools::lapin::options::ExchangeDeclareOptions;
+use inbox::tools::lapin::types::FieldTable;
 use inbox::{Message, Settings};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, amqp, declare, wait_until};

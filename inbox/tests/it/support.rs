@@ -6,13 +6,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox::internal::lapin::message::Delivery;
-use inbox::internal::lapin::options::{
+use inbox::tokio_postgres::{Client, NoTls};
+use inbox::tools::lapin::message::Delivery;
+use inbox::tools::lapin::options::{
     BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use inbox::internal::lapin::types::FieldTable;
-use inbox::internal::lapin::{BasicProperties, Connection, ConnectionProperties};
-use inbox::tokio_postgres::{Client, NoTls};
+use inbox::tools::lapin::types::FieldTable;
+use inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
 use inbox::{
     EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
 };
@@ -186,7 +186,7 @@ impl TestEnv {
 }
 
 /// `queue` as the broker sees it (a passive declare), if it exists.
-async fn probe(queue: &str) -> Option<inbox::internal::lapin::Queue> {
+async fn probe(queue: &str) -> Option<inbox::tools::lapin::Queue> {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let options = QueueDeclareOptions {
@@ -289,7 +289,7 @@ pub(crate) async fn amqp() -> Arc<Connection> {
 
 /// A header of `delivery` as text (strings) or its debug form (others).
 pub(crate) fn header(delivery: &Delivery, key: &str) -> Option<String> {
-    use inbox::internal::lapin::types::AMQPValue;
+    use inbox::tools::lapin::types::AMQPValue;
     let value = delivery.properties.headers().as_ref()?.inner().get(key)?.clone();
     Some(match value {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
@@ -325,7 +325,7 @@ pub(crate) async fn publish_keys(runtime: &inbox::Runtime, queue: &str, keys: im
 pub(crate) async fn declare(settings: &Settings) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::internal::amqp::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();

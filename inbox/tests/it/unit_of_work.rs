@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use inbox::internal::deadpool_postgres::Pool;
+use inbox::tools::deadpool_postgres::Pool;
 use inbox::{Settings, UnitOfWork};
 
 use crate::support::TestEnv;
@@ -10,7 +10,7 @@ use crate::support::TestEnv;
 fn pool_of_one(settings: &Settings) -> Pool {
     let mut settings = settings.clone();
     settings.database.pool_size = 1;
-    inbox::internal::create_pool(&settings).unwrap()
+    inbox::tools::create_pool(&settings).unwrap()
 }
 
 /// Whether the next connection from `pool` is inside a transaction, and its
