@@ -48,13 +48,16 @@
 //! redelivers them), and every delivery settles on its own channel's window
 //! only.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use futures_util::future::ready;
-use futures_util::stream::{self, Stream, StreamExt};
+use futures_util::FutureExt;
+use futures_util::future::{LocalBoxFuture, ready};
+use futures_util::stream::{self, FuturesUnordered, Stream, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
 use lapin::types::ShortString;
@@ -65,7 +68,7 @@ use crate::actors::availability::DatabaseGate;
 use crate::actors::dedup::DedupActor;
 use crate::actors::link::Link;
 use crate::actors::metrics::QueueMetrics;
-use crate::actors::settle::{Dialect, Pending, Settler};
+use crate::actors::settle::{Dialect, Leaver, Pending, Settler};
 use crate::actors::stats::Stats;
 use crate::{QueueSettings, Settings};
 
@@ -114,6 +117,24 @@ pub(crate) struct ConsumerActor {
     drained: Vec<oneshot::Sender<()>>,
     stream_ended: bool,
     batching: Batching,
+    /// The deliveries being settled: a future for each, or for each batch.
+    /// One item of the actor's context, [`SettleAll`], polls them. Were
+    /// each an item of its own, actix would poll every one of them at
+    /// every wake of the actor (a reply, an ack, a delivery), up to
+    /// prefetch polls for each; in a set, only the woken ones are polled.
+    settling: FuturesUnordered<LocalBoxFuture<'static, Settled>>,
+    /// Wakes [`SettleAll`] after a push: the set polls a new future only
+    /// when it is polled itself.
+    settling_waker: Option<Waker>,
+}
+
+/// What a settling future reports when it ends.
+enum Settled {
+    /// A delivery settled on its own.
+    One,
+    /// A batch of `size` ran; `leavers`, the members that did not complete
+    /// in it, settle on their own now.
+    Batch { size: usize, leavers: Vec<Leaver> },
 }
 
 /// The batch buffer of a consumer with `batch_size` above 1.
@@ -194,6 +215,8 @@ impl ConsumerActor {
             draining: false,
             drained: Vec::new(),
             stream_ended: false,
+            settling: FuturesUnordered::new(),
+            settling_waker: None,
             batching: Batching {
                 size,
                 max_in_flight: (usize::from(queue.prefetch) / size).max(1),
@@ -206,7 +229,7 @@ impl ConsumerActor {
 
     /// Sends buffered deliveries as batches while fewer than the maximum
     /// are running: full ones, or a partial one when none is running.
-    fn dispatch_batches(&mut self, ctx: &mut Context<Self>) {
+    fn dispatch_batches(&mut self) {
         while !self.batching.buffer.is_empty() && self.batching.in_flight < self.batching.max_in_flight {
             let take = self.batching.buffer.len().min(self.batching.size);
             if take < self.batching.size && self.batching.in_flight > 0 {
@@ -217,34 +240,46 @@ impl ConsumerActor {
             }
             let batch: Vec<Pending> = self.batching.buffer.drain(..take).collect();
             self.batching.in_flight += 1;
-            let settler = Arc::clone(&self.settler);
-            // Boxed where it is made, as in `spawn_settling`.
-            let work = Box::pin(Arc::clone(&settler).settle_batch(batch));
-            ctx.spawn(work.into_actor(self).map(move |leavers, actor, ctx| {
-                // The batch's slot is free once its completed members are
-                // acked; those that failed settle on their own, each
-                // holding only its own delivery.
-                actor.batching.in_flight -= 1;
-                for _ in leavers.len()..take {
-                    actor.message_done(ctx);
-                }
-                for leaver in leavers {
-                    actor.spawn_settling(Arc::clone(&settler).settle_leaver(leaver), ctx);
-                }
-                actor.dispatch_batches(ctx);
-            }));
+            let work = Arc::clone(&self.settler).settle_batch(batch);
+            self.start_settling(work.map(move |leavers| Settled::Batch { size: take, leavers }));
         }
     }
 
-    /// Runs `work`, one message's settling, and counts the message done
-    /// after it. Boxed where it is made: a settling future holds every
-    /// step's state (some 10 KiB), which each wrapper would copy again.
-    fn spawn_settling(&mut self, work: impl Future<Output = ()> + 'static, ctx: &mut Context<Self>) {
-        ctx.spawn(
-            Box::pin(work)
-                .into_actor(self)
-                .map(|(), actor, ctx| actor.message_done(ctx)),
-        );
+    /// Starts `work`, one message's settling: the message is done when it
+    /// ends.
+    fn spawn_settling(&mut self, work: impl Future<Output = ()> + 'static) {
+        self.start_settling(work.map(|()| Settled::One));
+    }
+
+    /// Adds `work` to the futures [`SettleAll`] polls. Boxed where it is
+    /// made: a settling future holds every step's state (some 10 KiB),
+    /// which each wrapper would copy again.
+    fn start_settling(&mut self, work: impl Future<Output = Settled> + 'static) {
+        self.settling.push(Box::pin(work));
+        if let Some(waker) = &self.settling_waker {
+            waker.wake_by_ref();
+        }
+    }
+
+    /// Accounts for a settling future that ended.
+    fn settled(&mut self, settled: Settled, ctx: &mut Context<Self>) {
+        match settled {
+            Settled::One => self.message_done(ctx),
+            Settled::Batch { size, leavers } => {
+                // The batch's slot is free once its completed members are
+                // acked; those that failed settle on their own, each
+                // holding only its own delivery.
+                self.batching.in_flight -= 1;
+                for _ in leavers.len()..size {
+                    self.message_done(ctx);
+                }
+                for leaver in leavers {
+                    let work = Arc::clone(&self.settler).settle_leaver(leaver);
+                    self.spawn_settling(work);
+                }
+                self.dispatch_batches();
+            }
+        }
     }
 
     fn message_done(&mut self, ctx: &mut Context<Self>) {
@@ -268,10 +303,39 @@ impl Actor for ConsumerActor {
         if let Some(stream) = self.stream.take() {
             ctx.add_stream(tagged(stream, self.link));
         }
+        ctx.spawn(SettleAll);
         let settler = &self.settler;
         tracing::info!(queue = %settler.queue, consumer = %settler.consumer, "consuming");
         self.set_connected(true);
         ctx.run_interval(WATCHDOG_EVERY, |actor, ctx| actor.watch_connection(ctx));
+    }
+}
+
+/// The one item of a consumer's context that polls its settling futures
+/// (see [`ConsumerActor::settling`]); it lasts as long as the actor.
+struct SettleAll;
+
+impl ActorFuture<ConsumerActor> for SettleAll {
+    type Output = ();
+
+    fn poll(
+        self: Pin<&mut Self>,
+        actor: &mut ConsumerActor,
+        ctx: &mut Context<ConsumerActor>,
+        task: &mut std::task::Context<'_>,
+    ) -> Poll<()> {
+        if !actor
+            .settling_waker
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(task.waker()))
+        {
+            actor.settling_waker = Some(task.waker().clone());
+        }
+        // `None` once the set is empty; a push wakes this again.
+        while let Poll::Ready(Some(settled)) = actor.settling.poll_next_unpin(task) {
+            actor.settled(settled, ctx);
+        }
+        Poll::Pending
     }
 }
 
@@ -311,13 +375,13 @@ impl StreamHandler<Consumed> for ConsumerActor {
         let arrived = Instant::now();
         if self.batching.size == 1 {
             let work = Arc::clone(&self.settler).settle(delivery, ticket, arrived);
-            self.spawn_settling(work, ctx);
+            self.spawn_settling(work);
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
             Ok(pending) if self.settler.settles_alone(&pending) => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
-                self.spawn_settling(work, ctx);
+                self.spawn_settling(work);
             }
             Ok(pending) => {
                 self.batching.buffer.push(pending);
@@ -329,7 +393,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             }
             Err(malformed) => {
                 let work = Arc::clone(&self.settler).set_aside(malformed);
-                self.spawn_settling(work, ctx);
+                self.spawn_settling(work);
             }
         }
     }
@@ -466,9 +530,9 @@ impl ConsumerActor {
 impl actix::Handler<Flush> for ConsumerActor {
     type Result = ();
 
-    fn handle(&mut self, _: Flush, ctx: &mut Context<Self>) {
+    fn handle(&mut self, _: Flush, _ctx: &mut Context<Self>) {
         self.batching.flush_scheduled = false;
-        self.dispatch_batches(ctx);
+        self.dispatch_batches();
     }
 }
 
