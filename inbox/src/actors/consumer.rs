@@ -247,7 +247,7 @@ impl ConsumerActor {
 
     /// Starts `work`, one message's settling: the message is done when it
     /// ends.
-    fn spawn_settling(&mut self, work: impl Future<Output = ()> + 'static) {
+    fn start_message(&mut self, work: impl Future<Output = ()> + 'static) {
         self.start_settling(work.map(|()| Settled::One));
     }
 
@@ -256,6 +256,9 @@ impl ConsumerActor {
     /// 1.3 KB: see `Settler::settle`).
     fn start_settling(&mut self, work: impl Future<Output = Settled> + 'static) {
         self.settling.push(Box::pin(work));
+        // Always: when the push comes from an item that actix polls after
+        // `SettleAll` in this pass (a reconnected link's stream), nothing
+        // else would poll the new future before the watchdog's next tick.
         if let Some(waker) = &self.settling_waker {
             waker.wake_by_ref();
         }
@@ -275,7 +278,7 @@ impl ConsumerActor {
                 }
                 for leaver in leavers {
                     let work = Arc::clone(&self.settler).settle_leaver(leaver);
-                    self.spawn_settling(work);
+                    self.start_message(work);
                 }
                 self.dispatch_batches();
             }
@@ -375,13 +378,13 @@ impl StreamHandler<Consumed> for ConsumerActor {
         let arrived = Instant::now();
         if self.batching.size == 1 {
             let work = Arc::clone(&self.settler).settle(delivery, ticket, arrived);
-            self.spawn_settling(work);
+            self.start_message(work);
             return;
         }
         match self.settler.prepare(delivery, ticket, arrived) {
             Ok(pending) if self.settler.settles_alone(&pending) => {
                 let work = Arc::clone(&self.settler).settle_prepared(pending);
-                self.spawn_settling(work);
+                self.start_message(work);
             }
             Ok(pending) => {
                 self.batching.buffer.push(pending);
@@ -393,7 +396,7 @@ impl StreamHandler<Consumed> for ConsumerActor {
             }
             Err(malformed) => {
                 let work = Arc::clone(&self.settler).set_aside(malformed);
-                self.spawn_settling(work);
+                self.start_message(work);
             }
         }
     }

@@ -9,8 +9,8 @@
 //! ([`copy_properties`]), and waits for the broker's confirm before acking
 //! the original.
 //! What it did is counted once, when done. The
-//! [`ConsumerActor`](crate::actors::consumer::ConsumerActor) owns one per queue and spawns
-//! its work, one delivery (or batch) at a time.
+//! [`ConsumerActor`](crate::actors::consumer::ConsumerActor) owns one per queue and runs
+//! its work as a future per delivery (or per batch).
 
 use std::future::Future;
 use std::sync::Arc;
