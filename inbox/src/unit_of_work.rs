@@ -36,6 +36,15 @@ use crate::trace::TraceContext;
 /// abort the transaction.
 #[derive(Debug)]
 pub struct UnitOfWork {
+    /// Boxed: a unit of work moves from the runtime to the handlers and
+    /// back, and lives in every future along the way; a pointer keeps those
+    /// futures small (each is allocated once per message).
+    state: Box<State>,
+}
+
+/// What a [`UnitOfWork`] holds.
+#[derive(Debug)]
+struct State {
     /// `Some` until finished or dropped.
     connection: Option<Object>,
     /// Set once `COMMIT` or `ROLLBACK` succeeded: only then may the
@@ -66,6 +75,9 @@ pub struct UnitOfWork {
     /// How many there were at the open savepoint.
     outgoing_at_savepoint: usize,
 }
+
+/// A statement's own result, before it is told apart as the runtime's error.
+type PgResult<T> = std::result::Result<T, tokio_postgres::Error>;
 
 /// Opens a unit of work's transaction (see [`UnitOfWork::begin`]).
 const BEGIN: &str = "BEGIN";
@@ -116,16 +128,18 @@ impl UnitOfWork {
         // Drop discards the connection rather than risk pooling an open
         // transaction.
         let uow = Self {
-            connection: Some(connection),
-            finished: false,
-            recorded: Vec::new(),
-            savepoints: 0,
-            recorded_at_savepoint: Vec::new(),
-            nested_scopes: 0,
-            outbox: None,
-            contexts: Vec::new(),
-            outgoing: Vec::new(),
-            outgoing_at_savepoint: 0,
+            state: Box::new(State {
+                connection: Some(connection),
+                finished: false,
+                recorded: Vec::new(),
+                savepoints: 0,
+                recorded_at_savepoint: Vec::new(),
+                nested_scopes: 0,
+                outbox: None,
+                contexts: Vec::new(),
+                outgoing: Vec::new(),
+                outgoing_at_savepoint: 0,
+            }),
         };
         if let Some(Err(e)) = uow.client().batch_execute(BEGIN).now_or_never() {
             return Err(Error::client(e));
@@ -138,7 +152,8 @@ impl UnitOfWork {
     pub fn client(&self) -> &ClientWrapper {
         // Only `commit`, `rollback` and `Drop` take the connection out, and
         // they consume or end `self`, so it is always here.
-        self.connection
+        self.state
+            .connection
             .as_ref()
             .expect("a live unit of work holds its connection")
     }
@@ -147,21 +162,21 @@ impl UnitOfWork {
     /// transaction (for [`InboxStore`](crate::store::InboxStore) implementations).
     pub(crate) fn note_recorded(&mut self, message_id: Uuid) {
         if !self.is_recorded(message_id) {
-            self.recorded.push(message_id);
+            self.state.recorded.push(message_id);
         }
     }
 
     /// Whether the inbox record of `message_id` is written in this transaction.
     pub(crate) fn is_recorded(&self, message_id: Uuid) -> bool {
-        self.recorded.contains(&message_id)
+        self.state.recorded.contains(&message_id)
     }
 
     /// Forgets that the inbox record of `message_id` is written; returns
     /// whether it was.
     pub(crate) fn forget_recorded(&mut self, message_id: Uuid) -> bool {
-        let before = self.recorded.len();
-        self.recorded.retain(|id| *id != message_id);
-        self.recorded.len() != before
+        let before = self.state.recorded.len();
+        self.state.recorded.retain(|id| *id != message_id);
+        self.state.recorded.len() != before
     }
 
     /// Marks a point in a batch (before the whole batch, or before one
@@ -187,16 +202,16 @@ impl UnitOfWork {
     /// has a name of its own, and this one was never made), so a rollback
     /// can never land on an older savepoint and undo work reported as done.
     pub(crate) fn savepoint(mut self) -> Result<Self> {
-        let sql = match self.savepoints {
+        let sql = match self.state.savepoints {
             0 => "SAVEPOINT s1".to_owned(),
             n => format!("RELEASE SAVEPOINT s{n}; SAVEPOINT s{}", n + 1),
         };
         if let Some(Err(e)) = self.client().batch_execute(&sql).now_or_never() {
             return Err(Error::client(e));
         }
-        self.savepoints += 1;
-        self.recorded_at_savepoint.clone_from(&self.recorded);
-        self.outgoing_at_savepoint = self.outgoing.len();
+        self.state.savepoints += 1;
+        self.state.recorded_at_savepoint.clone_from(&self.state.recorded);
+        self.state.outgoing_at_savepoint = self.state.outgoing.len();
         Ok(self)
     }
 
@@ -206,11 +221,11 @@ impl UnitOfWork {
     /// was made, or if making the last one failed. By value, like
     /// `savepoint`: the runtime's alone.
     pub(crate) async fn rollback_to_savepoint(mut self) -> Result<Self> {
-        let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.savepoints);
+        let sql = format!("ROLLBACK TO SAVEPOINT s{}", self.state.savepoints);
         // Fails when no savepoint was made, before anything is restored.
         self.client().batch_execute(&sql).await.map_err(Error::client)?;
-        self.recorded.clone_from(&self.recorded_at_savepoint);
-        self.outgoing.truncate(self.outgoing_at_savepoint);
+        self.state.recorded.clone_from(&self.state.recorded_at_savepoint);
+        self.state.outgoing.truncate(self.state.outgoing_at_savepoint);
         Ok(self)
     }
 
@@ -218,7 +233,7 @@ impl UnitOfWork {
     /// can stage messages (the runtime does this for the units of work it
     /// opens).
     pub(crate) fn with_outbox(mut self, outbox: Outbox) -> Self {
-        self.outbox = Some(outbox);
+        self.state.outbox = Some(outbox);
         self
     }
 
@@ -226,7 +241,7 @@ impl UnitOfWork {
     /// `handle`. `None` in a whole batch's `handle_batch` (see
     /// [`contexts`](Self::contexts)) and in application code.
     pub fn context(&self) -> Option<&MessageContext> {
-        match self.contexts.as_slice() {
+        match self.state.contexts.as_slice() {
             [one] => Some(one),
             _ => None,
         }
@@ -235,13 +250,13 @@ impl UnitOfWork {
     /// The messages being handled, in the order of the events a handler
     /// was given (one in `handle`, the batch's in `handle_batch`).
     pub fn contexts(&self) -> &[MessageContext] {
-        &self.contexts
+        &self.state.contexts
     }
 
     /// Tells the unit of work which messages its handlers handle now (the
     /// runtime does, before the handlers run).
     pub(crate) fn set_contexts(&mut self, contexts: Vec<MessageContext>) {
-        self.contexts = contexts;
+        self.state.contexts = contexts;
     }
 
     /// Stages `message` for publishing with `routing_key`, as a row of
@@ -272,8 +287,8 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let outgoing = outgoing(self.outbox.as_ref(), self.context(), routing_key, message)?;
-        self.outgoing.push(outgoing);
+        let outgoing = outgoing(self.state.outbox.as_ref(), self.context(), routing_key, message)?;
+        self.state.outgoing.push(outgoing);
         Ok(())
     }
 
@@ -285,8 +300,8 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let outgoing = outgoing(self.outbox.as_ref(), Some(cause), routing_key, message)?;
-        self.outgoing.push(outgoing);
+        let outgoing = outgoing(self.state.outbox.as_ref(), Some(cause), routing_key, message)?;
+        self.state.outgoing.push(outgoing);
         Ok(())
     }
 
@@ -311,13 +326,13 @@ impl UnitOfWork {
     /// # Ok(()) }
     /// ```
     pub async fn nested(&mut self) -> Result<Nested<'_>> {
-        self.nested_scopes += 1;
-        let name = format!("n{}", self.nested_scopes);
+        self.state.nested_scopes += 1;
+        let name = format!("n{}", self.state.nested_scopes);
         self.client()
             .batch_execute(&format!("SAVEPOINT {name}"))
             .await
             .map_err(Error::client)?;
-        let outgoing_at_open = self.outgoing.len();
+        let outgoing_at_open = self.state.outgoing.len();
         Ok(Nested {
             uow: self,
             name,
@@ -335,11 +350,67 @@ impl UnitOfWork {
     /// the same request, ahead of the probe: if writing them fails, the
     /// probe fails and nothing commits.
     pub async fn commit(mut self) -> Result<()> {
-        let chunks = match &self.outbox {
-            Some(outbox) if outbox.after_commit.is_none() => OutboxRows::chunks(&self.outgoing),
-            _ => Vec::new(),
+        let writes_rows = matches!(&self.state.outbox, Some(outbox) if outbox.after_commit.is_none())
+            && !self.state.outgoing.is_empty();
+        // Boxed apart: the rows' statements make a future of kilobytes,
+        // which every message, most staging nothing, would carry otherwise.
+        let (probed, committed) = if writes_rows {
+            Box::pin(self.write_rows_then_commit()).await?
+        } else {
+            self.probe_then_commit().await?
         };
-        let wrote_rows = !chunks.is_empty();
+        // Nothing committed unless the probe passed; a COMMIT that answered
+        // rolled the transaction back, and the connection is clean again.
+        let committed = match probed {
+            Ok(_) => committed,
+            Err(e) => {
+                self.state.finished = committed.is_ok();
+                Err(e)
+            }
+        };
+        match committed {
+            Ok(()) => {
+                self.state.finished = true;
+                if let Some(outbox) = &self.state.outbox {
+                    match &outbox.after_commit {
+                        // Handed over only now: never before the commit.
+                        Some(after_commit) => {
+                            for outgoing in self.state.outgoing.drain(..) {
+                                let _ = after_commit.send(outgoing);
+                            }
+                        }
+                        None if writes_rows => outbox.wake.notify_one(),
+                        None => {}
+                    }
+                }
+                Ok(())
+            }
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::new(
+                crate::ErrorKind::Usage,
+                "a statement in the transaction failed and a handler went on; nothing was committed",
+            )),
+            Err(e) => Err(Error::client(e)),
+        }
+    }
+
+    /// The probe and `COMMIT`, in one pipeline: tokio-postgres sends a
+    /// request when its future is first polled. The probe is prepared once
+    /// per connection; after that, no round trip.
+    async fn probe_then_commit(&self) -> Result<(PgResult<u64>, PgResult<()>)> {
+        let probe = self.client().prepare_cached(PROBE).await.map_err(Error::client)?;
+        Ok(futures_util::future::join(
+            self.client().execute(&probe, &[]),
+            self.client().batch_execute(COMMIT),
+        )
+        .await)
+    }
+
+    /// The staged rows, then the probe and `COMMIT`, in one pipeline. A
+    /// failed insert aborts the transaction, the probe then fails with
+    /// 25P02, and the `COMMIT` rolls back. Fails without sending the
+    /// `COMMIT` when an insert is refused before it was sent.
+    async fn write_rows_then_commit(&self) -> Result<(PgResult<u64>, PgResult<()>)> {
+        let chunks = OutboxRows::chunks(&self.state.outgoing);
         // The last chunk (nearly always the only one) goes with the COMMIT;
         // any before it, one round trip each. Each statement is prepared
         // once per connection; after that, no round trip.
@@ -366,63 +437,22 @@ impl UnitOfWork {
                 None => Ok(()),
             }
         };
-        // The rows, then the probe and COMMIT, in one pipeline:
-        // tokio-postgres sends a request when its future is first polled.
-        // A failed insert aborts the transaction, the probe then fails with
-        // 25P02, and the COMMIT rolls back.
         let probing = self.client().execute(&probe, &[]);
         let committing = self.client().batch_execute(COMMIT);
-        let (written, probed, committed) = {
-            let mut write = std::pin::pin!(write);
-            match write.as_mut().now_or_never() {
-                // Refused before it was sent (a value that does not fit the
-                // column's type, after a schema change): the COMMIT must
-                // not go without it.
-                Some(Err(e)) => return Err(Error::client(e)),
-                Some(Ok(())) => {
-                    let (probed, committed) = futures_util::future::join(probing, committing).await;
-                    (Ok(()), probed, committed)
-                }
-                None => futures_util::future::join3(write, probing, committing).await,
+        let mut write = std::pin::pin!(write);
+        let (written, probed, committed) = match write.as_mut().now_or_never() {
+            // Refused before it was sent (a value that does not fit the
+            // column's type, after a schema change): the COMMIT must not
+            // go without it.
+            Some(Err(e)) => return Err(Error::client(e)),
+            Some(Ok(())) => {
+                let (probed, committed) = futures_util::future::join(probing, committing).await;
+                (Ok(()), probed, committed)
             }
+            None => futures_util::future::join3(write, probing, committing).await,
         };
-        drop(last);
-        drop(chunks);
-        if let Err(e) = written {
-            return Err(Error::client(e));
-        }
-        // Nothing committed unless the probe passed; a COMMIT that answered
-        // rolled the transaction back, and the connection is clean again.
-        let committed = match probed {
-            Ok(_) => committed,
-            Err(e) => {
-                self.finished = committed.is_ok();
-                Err(e)
-            }
-        };
-        match committed {
-            Ok(()) => {
-                self.finished = true;
-                if let Some(outbox) = &self.outbox {
-                    match &outbox.after_commit {
-                        // Handed over only now: never before the commit.
-                        Some(after_commit) => {
-                            for outgoing in self.outgoing.drain(..) {
-                                let _ = after_commit.send(outgoing);
-                            }
-                        }
-                        None if wrote_rows => outbox.wake.notify_one(),
-                        None => {}
-                    }
-                }
-                Ok(())
-            }
-            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(Error::new(
-                crate::ErrorKind::Usage,
-                "a statement in the transaction failed and a handler went on; nothing was committed",
-            )),
-            Err(e) => Err(Error::client(e)),
-        }
+        written.map_err(Error::client)?;
+        Ok((probed, committed))
     }
 
     /// Rolls back, keeping the connection for reuse when that succeeds.
@@ -431,7 +461,7 @@ impl UnitOfWork {
             .batch_execute("ROLLBACK")
             .await
             .map_err(Error::client)?;
-        self.finished = true;
+        self.state.finished = true;
         Ok(())
     }
 
@@ -452,7 +482,7 @@ impl UnitOfWork {
         .await;
         let rows = rows.map_err(Error::client)?;
         committed.map_err(Error::client)?;
-        self.finished = true;
+        self.state.finished = true;
         Ok(rows)
     }
 }
@@ -521,8 +551,8 @@ fn follow_up_headers(cause: Option<&MessageContext>) -> Vec<(String, String)> {
 
 impl Drop for UnitOfWork {
     fn drop(&mut self) {
-        if let Some(connection) = self.connection.take()
-            && !self.finished
+        if let Some(connection) = self.state.connection.take()
+            && !self.state.finished
         {
             // Detach from the pool and close: the server aborts the
             // transaction when the connection goes.
@@ -560,7 +590,7 @@ impl Nested<'_> {
     /// message's transaction goes on.
     pub async fn rollback(mut self) -> Result<()> {
         self.open = false;
-        self.uow.outgoing.truncate(self.outgoing_at_open);
+        self.uow.state.outgoing.truncate(self.outgoing_at_open);
         let sql = format!("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}", self.name);
         self.uow
             .client()
@@ -588,7 +618,7 @@ impl DerefMut for Nested<'_> {
 impl Drop for Nested<'_> {
     fn drop(&mut self) {
         if self.open {
-            self.uow.outgoing.truncate(self.outgoing_at_open);
+            self.uow.state.outgoing.truncate(self.outgoing_at_open);
             // Cannot await here: handed to the connection now, it runs
             // before the next statement (see `UnitOfWork::savepoint`). A
             // failure shows there, as an aborted transaction.

@@ -2,7 +2,7 @@
 //! messages in one transaction.
 //!
 //! One statement claims every message of the batch; the handlers run on
-//! the whole batch (`HandleBatch`) and every message is recorded; one
+//! the whole batch (`handle_batch`) and every message is recorded; one
 //! commit. If the handlers fail, the transaction is rolled back, the batch
 //! claimed again in a new one, and each message run alone after a
 //! savepoint of its own: a failing message is undone alone and takes its
@@ -14,8 +14,8 @@ use std::sync::Arc;
 use tokio::sync::Semaphore;
 
 use crate::UnitOfWork;
-use crate::actors::dedup::{DeliverBatch, Route, Work, give_up, key, roll_back};
-use crate::actors::handler::Handled;
+use crate::actors::dedup::{DeliverBatch, Work, give_up, key, roll_back};
+use crate::actors::handler::{Handled, Route};
 use crate::actors::tally::Tally;
 use crate::envelope::Envelope;
 use crate::policy::{Abandoned, Outcome, Stage};
@@ -40,7 +40,7 @@ impl Work {
         DeliverBatch {
             consumer, envelopes, ..
         }: DeliverBatch,
-        lane: &Semaphore,
+        lane: Arc<Semaphore>,
     ) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
         // The messages to claim: one per id, with a handler. A second copy of
@@ -63,7 +63,7 @@ impl Work {
 
         if !members.is_empty() {
             match self
-                .run_batch(&envelopes, &members, &keys, &mut outcomes, lane)
+                .run_batch(&envelopes, &members, &keys, &mut outcomes, &lane)
                 .await
             {
                 Ok(uow) => {
@@ -196,8 +196,8 @@ impl Work {
             let saved = uow
                 .savepoint()
                 .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-            let failure = match crate::actors::handler::handle(&route.one, envelope, saved).await {
-                Ok(Handled::Done(mut done)) => match self.store.complete(&mut done, key).await {
+            let failure = match route.run(vec![envelope], saved).await {
+                Handled::Done(mut done) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
                         outcomes[i] = Some(Outcome::Completed);
                         uow = done;
@@ -208,23 +208,22 @@ impl Work {
                         Outcome::Abandoned(Abandoned::database(Stage::InboxRecord, &e))
                     }
                 },
-                Ok(Handled::Failed {
+                Handled::Failed {
                     uow: Some(failed),
                     failure,
-                }) => {
+                } => {
                     uow = failed;
                     failure.into()
                 }
-                // A panic (or a vanished actor) took the connection with it:
-                // this message has its failure, the others start over.
-                Ok(Handled::Failed { uow: None, failure }) => {
+                // A panic took the connection with it: this message has its
+                // failure, the others start over.
+                Handled::Failed { uow: None, failure } => {
                     outcomes[i] = Some(failure.into());
                     return Err(Abandoned::new(
                         Stage::Batch,
                         "another message of the batch panicked",
                     ));
                 }
-                Err(e) => return Err(Abandoned::new(Stage::HandlerCall, e)),
             };
             // This message alone is undone; the batch goes on.
             uow = uow
@@ -239,8 +238,8 @@ impl Work {
         Ok(uow)
     }
 
-    /// Runs the handlers on the claimed messages all at once, one
-    /// [`HandleBatch`] per event type in order of first appearance, then
+    /// Runs the handlers on the claimed messages all at once (their
+    /// `handle_batch`), type by type in order of first appearance, then
     /// records every message.
     async fn run_whole_batch(
         &self,
@@ -264,12 +263,12 @@ impl Work {
                 Err(abandoned) => return WholeBatch::Lost(abandoned),
             };
             let size = group.len();
-            match crate::actors::handler::handle_batch(&route.batch, group, uow).await {
-                Ok(Handled::Done(done)) => uow = done,
-                Ok(Handled::Failed {
+            match route.run(group, uow).await {
+                Handled::Done(done) => uow = done,
+                Handled::Failed {
                     uow: Some(failed),
                     failure,
-                }) => {
+                } => {
                     tracing::debug!(
                         size,
                         ?failure,
@@ -279,11 +278,10 @@ impl Work {
                 }
                 // A panic took the connection with it, and which message
                 // caused it is unknown: each starts over on its own.
-                Ok(Handled::Failed { uow: None, failure }) => {
+                Handled::Failed { uow: None, failure } => {
                     let reason = format!("a handler panicked on the batch: {failure:?}");
                     return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
                 }
-                Err(e) => return WholeBatch::Lost(Abandoned::new(Stage::HandlerCall, e)),
             }
         }
         for &position in claimed {

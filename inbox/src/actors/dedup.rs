@@ -3,13 +3,14 @@
 //! Owns the connection pool and the inbox store. Receives [`Deliver`] (from
 //! a [`ConsumerActor`](crate::actors::consumer::ConsumerActor) or the in-process
 //! [`Publisher`](crate::Publisher)); for each message it opens a unit of
-//! work, claims the message in the inbox, sends [`Handle`] to the
-//! [`HandlerActor`](crate::actors::handler::HandlerActor) of the message's type, and commits
-//! or rolls back. It replies with the message's [`Outcome`].
+//! work, claims the message in the inbox, runs the handlers that the
+//! [`HandlerActor`](crate::actors::handler::HandlerActor) of the message's type holds
+//! (through its [`Route`]), in the message's task, and commits or rolls
+//! back. It replies with the message's [`Outcome`].
 //!
 //! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims
 //! the batch's messages in one go, runs the handlers on the whole batch
-//! ([`HandleBatch`]), commits once, and replies with an [`Outcome`] per
+//! (their `handle_batch`), commits once, and replies with an [`Outcome`] per
 //! message. If the handlers fail on the batch, it rolls back, claims the
 //! batch again and runs each message's handlers on their own, each after a
 //! savepoint of its own: a failure rolls back that message only.
@@ -38,7 +39,7 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::UnitOfWork;
-use crate::actors::handler::{Handle, HandleBatch, Handled, HandlerFailure};
+use crate::actors::handler::{Handled, HandlerFailure, Route};
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
 use crate::envelope::Envelope;
@@ -81,16 +82,7 @@ pub(crate) struct CountRedelivery {
     pub(crate) message_id: uuid::Uuid,
 }
 
-/// The handler actor of one event type, as the dedup actor addresses it.
-#[derive(Clone)]
-pub(crate) struct Route {
-    /// One message at a time.
-    pub(crate) one: Recipient<Handle>,
-    /// Several messages of a batch at once.
-    pub(crate) batch: Recipient<HandleBatch>,
-}
-
-/// The handler actors, by event type name.
+/// The handlers' routes, by event type name.
 pub(crate) type Routes = HashMap<String, Route>;
 
 /// Owns the pool and the store; runs each message's unit of work.
@@ -258,9 +250,10 @@ impl actix::Handler<DeliverBatch> for DedupActor {
                 .or_insert_with(|| Arc::new(Semaphore::new(usize::from(msg.concurrent_batches)))),
         );
         let timeout = self.transaction_timeout;
+        // Boxed where it is made, as a message's unit of work is.
+        let batch = Box::pin(work.process_batch(msg, lane));
         Box::pin(
             async move {
-                let batch = Box::pin(work.process_batch(msg, &lane));
                 let outcomes = match within_timeout(timeout, batch).await {
                     Ok(outcomes) => outcomes,
                     Err(abandoned) => vec![Outcome::Abandoned(abandoned); size],
@@ -339,7 +332,7 @@ impl Work {
             Err(e) => return Outcome::Abandoned(give_up(uow, Stage::InboxClaim, &e).await),
         }
         match self.handle_every_type(route, envelope, uow).await {
-            Ok(Handled::Done(mut uow)) => {
+            Handled::Done(mut uow) => {
                 if let Err(e) = self.store.complete(&mut uow, &key).await {
                     return Outcome::Abandoned(give_up(uow, Stage::InboxRecord, &e).await);
                 }
@@ -350,7 +343,7 @@ impl Work {
                     Err(e) => Outcome::Abandoned(Abandoned::database(Stage::Commit, &e)),
                 }
             }
-            Ok(Handled::Failed { uow, failure }) => {
+            Handled::Failed { uow, failure } => {
                 // Alone in its transaction, the message is rolled back whole,
                 // staged inbox record included.
                 let mut outcome = Outcome::from(failure);
@@ -366,9 +359,6 @@ impl Work {
                 }
                 outcome
             }
-            // The unit of work went down with the message: its connection
-            // was discarded.
-            Err(e) => Outcome::Abandoned(Abandoned::new(Stage::HandlerCall, e)),
         }
     }
 }
@@ -381,12 +371,7 @@ impl Work {
     /// own type, all in the one unit of work: as MassTransit runs every
     /// consumer whose type the message lists (MT/Middleware/MessageTypeFilter.cs).
     /// The first failure stops the others, and the message fails whole.
-    async fn handle_every_type(
-        &self,
-        route: &Route,
-        envelope: Arc<Envelope>,
-        uow: UnitOfWork,
-    ) -> Result<Handled, MailboxError> {
+    async fn handle_every_type(&self, route: &Route, envelope: Arc<Envelope>, uow: UnitOfWork) -> Handled {
         let others: Vec<(&String, &Route)> = match &envelope.masstransit {
             Some(context) => {
                 let mut others = Vec::new();
@@ -402,7 +387,7 @@ impl Work {
             }
             None => Vec::new(),
         };
-        let mut handled = crate::actors::handler::handle(&route.one, Arc::clone(&envelope), uow).await?;
+        let mut handled = route.run(vec![Arc::clone(&envelope)], uow).await;
         for (name, route) in others {
             let Handled::Done(uow) = handled else {
                 break;
@@ -410,9 +395,9 @@ impl Work {
             // The message as this type: its handlers' context names it.
             let mut as_type = (*envelope).clone();
             as_type.event_type = name.clone();
-            handled = crate::actors::handler::handle(&route.one, Arc::new(as_type), uow).await?;
+            handled = route.run(vec![Arc::new(as_type)], uow).await;
         }
-        Ok(handled)
+        handled
     }
 }
 
@@ -441,6 +426,10 @@ impl From<HandlerFailure> for Outcome {
             HandlerFailure::Panicked { handler, message } => Outcome::Abandoned(Abandoned::new(
                 Stage::Handler(handler),
                 format!("panicked: {message}"),
+            )),
+            HandlerFailure::Stopped { event_type } => Outcome::Abandoned(Abandoned::new(
+                Stage::HandlerCall,
+                format!("the handler actor of `{event_type}` has stopped"),
             )),
         }
     }

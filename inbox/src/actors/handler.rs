@@ -1,13 +1,24 @@
-//! [`HandlerActor`]: runs the handlers of one event type.
+//! [`HandlerActor`]: owns the handlers of one event type; [`Route`]: runs
+//! them.
 //!
-//! Owns the handlers registered for its event type `E`, in registration
-//! order. Receives [`Handle`] from the [`DedupActor`](crate::DedupActor):
-//! takes the event decoded before the transaction (or deserializes the
-//! body into `E`) and runs every handler on the message's
-//! unit of work, replying [`Handled`]; and [`HandleBatch`], the same for
-//! several messages of a batch at once. A handler that panics fails its
-//! message (never the actor's other work) and the actor restarts itself
-//! through its [`Supervisor`], via [`Restart`].
+//! The actor holds the handlers registered for its event type `E`, in
+//! registration order, and publishes the set it built in a slot its
+//! [`Route`] shares. A unit of work runs the handlers through the route, in
+//! its own task: the route takes the event decoded before the transaction
+//! (or deserializes the body into `E`) and runs every handler on the
+//! message's unit of work ([`Route::run`]), one message (`handle`) or a
+//! batch's messages of the type (`handle_batch`), replying [`Handled`]. A
+//! handler that panics fails its message (never the other messages in
+//! flight), and the route has the actor restart itself through its
+//! [`Supervisor`], via [`Restart`].
+//!
+//! Why no message to the actor per unit of work: a mailbox, a task and a
+//! reply per message were a sixth of the runtime's own CPU per message
+//! (docs/performance.md), and bought nothing the slot does not give:
+//! the handlers still belong to the actor, which builds them and builds
+//! them anew at a restart, and a unit of work past
+//! `database.transaction_timeout` drops the handlers' futures where they
+//! wait, with its connection, since they are its own.
 //!
 //! What a restart resets: every handler registered with a factory
 //! (`RuntimeBuilder::handler_factory`) is built anew, so that whatever a
@@ -17,88 +28,88 @@
 //! on them.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use actix::prelude::*;
 use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use metrics::Histogram;
-use tracing::Instrument;
 
 use crate::envelope::Envelope;
 use crate::handler::DynEventHandler;
 use crate::{IntegrationEvent, MessageContext, Permanent, UnitOfWork};
 
-/// Run the handlers for one message inside its unit of work. Sent with
-/// [`handle`].
-#[derive(Message)]
-#[rtype(result = "Handled")]
-pub(crate) struct Handle {
-    /// The message.
-    envelope: Arc<Envelope>,
-    /// Its open transaction, with the inbox row claimed.
-    uow: UnitOfWork,
-    /// Resolves when whoever waits for the reply gave up.
-    abandoned: Abandonment,
+/// Runs the handlers of one event type, whichever it is: how the dedup
+/// actor addresses them (see [`HandlerRoute`]).
+pub(crate) type Route = Arc<dyn RunHandlers>;
+
+/// The handlers of one event type, as a unit of work runs them.
+pub(crate) trait RunHandlers: Send + Sync {
+    /// Runs every handler on `envelopes` in `uow`: `handle` for one
+    /// message, `handle_batch` for several (of this type, in delivery
+    /// order). Dropped before it ends (past `database.transaction_timeout`),
+    /// the handlers are cancelled where they wait, and `uow` is dropped with
+    /// its connection.
+    fn run(&self, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled>;
+
+    /// Whether the handler actor runs (for health); does not keep it alive.
+    fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync>;
 }
 
-/// Run the handlers for several messages of one type inside one unit of
-/// work, through [`EventHandler::handle_batch`](crate::EventHandler::handle_batch).
-/// Sent with [`handle_batch`].
-#[derive(Message)]
-#[rtype(result = "Handled")]
-pub(crate) struct HandleBatch {
-    /// The messages, in delivery order.
-    envelopes: Vec<Arc<Envelope>>,
-    /// Their open transaction, with their inbox rows claimed.
-    uow: UnitOfWork,
-    /// Resolves when whoever waits for the reply gave up.
-    abandoned: Abandonment,
+/// The handlers of `E` its actor built last: replaced when it restarts.
+type Slot<E> = Arc<RwLock<Handlers<E>>>;
+
+type Handlers<E> = Arc<[Arc<dyn DynEventHandler<E>>]>;
+
+/// [`RunHandlers`] for `E`: the actor's slot, and the actor, for
+/// [`Restart`].
+pub(crate) struct HandlerRoute<E: IntegrationEvent> {
+    slot: Slot<E>,
+    actor: Addr<HandlerActor<E>>,
+    /// `inbox_handler_duration_seconds` of `E`.
+    duration: Histogram,
 }
 
-/// Resolves when the sender of a [`Handle`] or [`HandleBatch`] stops
-/// waiting for the reply: its unit of work passed
-/// `database.transaction_timeout` and was abandoned. The handlers are then
-/// cancelled, and their unit of work dropped with its connection. Without
-/// it a handler stuck on a dead peer would keep its pooled connection until
-/// it returned, one more per attempt, until the pool was empty and every
-/// message held as if the database were down.
-type Abandonment = tokio::sync::oneshot::Receiver<()>;
-
-/// Runs the handlers for one message on `route`; dropped before the reply
-/// (a timeout), it cancels them.
-pub(crate) async fn handle(
-    route: &Recipient<Handle>,
-    envelope: Arc<Envelope>,
-    uow: UnitOfWork,
-) -> Result<Handled, MailboxError> {
-    // Dropped with this future, whether it completes or is cancelled.
-    let (_waiting, abandoned) = tokio::sync::oneshot::channel();
-    route
-        .send(Handle {
-            envelope,
-            uow,
-            abandoned,
+impl<E: IntegrationEvent> HandlerRoute<E> {
+    /// Starts the supervised actor of `sources` (run in this order), and
+    /// returns its route.
+    pub(crate) fn start(sources: Vec<HandlerSource<E>>) -> Route {
+        let slot: Slot<E> = Arc::new(RwLock::new(build(&sources)));
+        let actor = {
+            let slot = Arc::clone(&slot);
+            Supervisor::start(move |_| HandlerActor { sources, slot })
+        };
+        Arc::new(Self {
+            slot,
+            actor,
+            duration: crate::actors::metrics::handler_duration(E::TYPE),
         })
-        .await
+    }
 }
 
-/// [`handle`] for a batch's messages of one type.
-pub(crate) async fn handle_batch(
-    route: &Recipient<HandleBatch>,
-    envelopes: Vec<Arc<Envelope>>,
-    uow: UnitOfWork,
-) -> Result<Handled, MailboxError> {
-    let (_waiting, abandoned) = tokio::sync::oneshot::channel();
-    route
-        .send(HandleBatch {
-            envelopes,
-            uow,
-            abandoned,
-        })
-        .await
+impl<E: IntegrationEvent> RunHandlers for HandlerRoute<E> {
+    fn run(&self, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled> {
+        if !self.actor.connected() {
+            // Stopped for good (the system is stopping): the handlers have
+            // no owner to restart them, and run no more.
+            return Box::pin(std::future::ready(Handled::Failed {
+                uow: Some(uow),
+                failure: HandlerFailure::Stopped { event_type: E::TYPE },
+            }));
+        }
+        // Nothing panics while the slot is locked: a poisoned one is whole.
+        let handlers = Arc::clone(&self.slot.read().unwrap_or_else(PoisonError::into_inner));
+        let timer = HandlerTimer::start(&self.duration);
+        Box::pin(run_handlers(handlers, envelopes, uow, self.actor.clone(), timer))
+    }
+
+    fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync> {
+        let actor = self.actor.downgrade();
+        Box::new(move || actor.upgrade().is_some_and(|actor| actor.connected()))
+    }
 }
 
-/// The reply to [`Handle`] and [`HandleBatch`].
+/// The reply to [`RunHandlers::run`].
 pub(crate) enum Handled {
     /// Every handler succeeded: the unit of work, ready to commit.
     Done(UnitOfWork),
@@ -142,10 +153,15 @@ pub(crate) enum HandlerFailure {
         /// The panic's message.
         message: String,
     },
+    /// The handler actor of the type has stopped: nothing ran.
+    Stopped {
+        /// The event type.
+        event_type: &'static str,
+    },
 }
 
-/// Stop so that the supervisor restarts the actor (sent to itself after a
-/// handler panicked).
+/// Stop so that the supervisor restarts the actor (sent after a handler
+/// panicked).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Restart;
@@ -167,24 +183,15 @@ impl<E> HandlerSource<E> {
     }
 }
 
-/// Runs the handlers registered for `E`.
-pub(crate) struct HandlerActor<E: IntegrationEvent> {
-    sources: Vec<HandlerSource<E>>,
-    handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
-    /// `inbox_handler_duration_seconds` of `E`.
-    duration: Histogram,
+fn build<E>(sources: &[HandlerSource<E>]) -> Handlers<E> {
+    sources.iter().map(HandlerSource::build).collect()
 }
 
-impl<E: IntegrationEvent> HandlerActor<E> {
-    /// An actor over the handlers of `sources`, which run in this order.
-    pub(crate) fn new(sources: Vec<HandlerSource<E>>) -> Self {
-        let handlers = sources.iter().map(HandlerSource::build).collect();
-        Self {
-            sources,
-            handlers,
-            duration: crate::actors::metrics::handler_duration(E::TYPE),
-        }
-    }
+/// Owns the handlers registered for `E`: builds them into its route's slot,
+/// and builds them anew when a panic restarts it.
+pub(crate) struct HandlerActor<E: IntegrationEvent> {
+    sources: Vec<HandlerSource<E>>,
+    slot: Slot<E>,
 }
 
 impl<E: IntegrationEvent> Actor for HandlerActor<E> {
@@ -193,40 +200,12 @@ impl<E: IntegrationEvent> Actor for HandlerActor<E> {
 
 impl<E: IntegrationEvent> Supervised for HandlerActor<E> {
     fn restarting(&mut self, _ctx: &mut Context<Self>) {
-        self.handlers = self.sources.iter().map(HandlerSource::build).collect();
+        let handlers = build(&self.sources);
+        *self.slot.write().unwrap_or_else(PoisonError::into_inner) = handlers;
         tracing::warn!(
             r#type = E::TYPE,
             "handler actor restarted after a handler panicked; handlers from factories are built anew"
         );
-    }
-}
-
-impl<E: IntegrationEvent> actix::Handler<Handle> for HandlerActor<E> {
-    // Its own task per message: messages of one type run concurrently, and a
-    // slow handler does not hold up the mailbox.
-    type Result = ResponseFuture<Handled>;
-
-    fn handle(&mut self, msg: Handle, ctx: &mut Context<Self>) -> Self::Result {
-        let handlers = Arc::clone(&self.handlers);
-        let myself = ctx.address();
-        let span = msg.envelope.span.clone();
-        let timer = HandlerTimer::start(&self.duration);
-        // Boxed where it is made: the handlers' futures can be large, and
-        // each wrapper would copy them again.
-        let run = Box::pin(run_handlers(handlers, vec![msg.envelope], msg.uow, myself, timer));
-        Box::pin(unless_abandoned(run, msg.abandoned).instrument(span))
-    }
-}
-
-impl<E: IntegrationEvent> actix::Handler<HandleBatch> for HandlerActor<E> {
-    type Result = ResponseFuture<Handled>;
-
-    fn handle(&mut self, msg: HandleBatch, ctx: &mut Context<Self>) -> Self::Result {
-        let handlers = Arc::clone(&self.handlers);
-        let myself = ctx.address();
-        let timer = HandlerTimer::start(&self.duration);
-        let run = Box::pin(run_handlers(handlers, msg.envelopes, msg.uow, myself, timer));
-        Box::pin(unless_abandoned(run, msg.abandoned))
     }
 }
 
@@ -235,31 +214,6 @@ impl<E: IntegrationEvent> actix::Handler<Restart> for HandlerActor<E> {
 
     fn handle(&mut self, _: Restart, ctx: &mut Context<Self>) {
         ctx.stop();
-    }
-}
-
-/// Runs `handlers` to their end, unless `abandoned` resolves first: then
-/// they are dropped where they wait, and their unit of work with them (its
-/// connection discarded, so the server rolls back).
-async fn unless_abandoned(
-    handlers: impl std::future::Future<Output = Handled>,
-    abandoned: Abandonment,
-) -> Handled {
-    tokio::select! {
-        handled = handlers => handled,
-        _ = abandoned => {
-            tracing::warn!(
-                "the handlers did not finish within database.transaction_timeout: cancelled, their connection discarded"
-            );
-            // Nobody reads it: the sender is gone.
-            Handled::Failed {
-                uow: None,
-                failure: HandlerFailure::Failed {
-                    handler: "runtime",
-                    error: "cancelled: past database.transaction_timeout".into(),
-                },
-            }
-        }
     }
 }
 
@@ -333,9 +287,9 @@ impl HandledTypes {
 }
 
 /// Runs every handler on the messages: `handle` for one message,
-/// `handle_batch` for several.
+/// `handle_batch` for several. A panic has `myself` restart.
 async fn run_handlers<E: IntegrationEvent>(
-    handlers: Arc<[Arc<dyn DynEventHandler<E>>]>,
+    handlers: Handlers<E>,
     envelopes: Vec<Arc<Envelope>>,
     mut uow: UnitOfWork,
     myself: Addr<HandlerActor<E>>,

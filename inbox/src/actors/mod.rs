@@ -11,12 +11,12 @@
 //!   or `Q.skipped`. Takes
 //!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
 //! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
-//!   inbox, sends `Handle` (or `HandleBatch`) to the event type's handler
-//!   actor, commits or rolls back on its `Handled` reply, replies the
-//!   `Outcome`.
-//! - `HandlerActor<E>` (`handler.rs`): the handlers of one event type; a
-//!   panic fails the message, and the actor restarts (`Restart`), building
-//!   anew the handlers registered with
+//!   inbox, runs the event type's handlers in its unit of work through
+//!   their `Route`, commits or rolls back on what they return (`Handled`),
+//!   replies the `Outcome`.
+//! - `HandlerActor<E>` (`handler.rs`): owns the handlers of one event type
+//!   and publishes them to their `Route`; a panic fails the message, and the
+//!   actor restarts (`Restart`), building anew the handlers registered with
 //!   [`handler_factory`](RuntimeBuilder::handler_factory).
 //! - `OutboxActor` (`outbox.rs`): dispatches the rows units of work staged
 //!   in `outbox_messages`, woken by commits (in process and through

@@ -15,8 +15,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::actors::availability::DatabaseGate;
 use crate::actors::consumer::{ConsumerActor, Disconnect, Drain};
-use crate::actors::dedup::{DedupActor, Route, Routes};
-use crate::actors::handler::{Decodes, HandledTypes, HandlerActor, HandlerSource};
+use crate::actors::dedup::{DedupActor, Routes};
+use crate::actors::handler::{Decodes, HandledTypes, HandlerRoute, HandlerSource, Route};
 use crate::actors::health::{Health, HealthState};
 use crate::actors::link::Link;
 use crate::actors::monitor::Monitor;
@@ -164,10 +164,7 @@ impl RuntimeBuilder {
             .map(|(event_type, route)| (event_type.to_owned(), route.start()))
             .collect();
         for (event_type, route) in &routes {
-            let handler = route.one.downgrade();
-            health.watch_actor(format!("handler actor of {event_type}"), move || {
-                handler.upgrade().is_some_and(|handler| handler.connected())
-            });
+            health.watch_actor(format!("handler actor of {event_type}"), route.liveness());
         }
         let stats = Arc::new(Stats::default());
         let (outbox, handed_over) = outbox_of(&settings);
@@ -757,11 +754,6 @@ impl<E: IntegrationEvent> Registered for HandlerSet<E> {
     }
 
     fn start(self: Box<Self>) -> Route {
-        let handlers = self.0;
-        let actor = Supervisor::start(move |_| HandlerActor::new(handlers));
-        Route {
-            one: actor.clone().recipient(),
-            batch: actor.recipient(),
-        }
+        HandlerRoute::start(self.0)
     }
 }

@@ -153,7 +153,9 @@ struct Moved<'a> {
 
 /// A decoded delivery waiting for its outcome.
 pub(crate) struct Pending {
-    delivery: Delivery,
+    /// Boxed (432 bytes): every settling future holds it, and is then
+    /// small enough for the allocator's cache of small blocks.
+    delivery: Box<Delivery>,
     ticket: Ticket,
     envelope: Arc<Envelope>,
     history: FailureHistory,
@@ -248,7 +250,7 @@ impl Settler {
                     None => None,
                 };
                 Ok(Pending {
-                    delivery,
+                    delivery: Box::new(delivery),
                     ticket,
                     envelope: Arc::new(envelope),
                     history,
@@ -394,7 +396,7 @@ impl Settler {
             .into_iter()
             .zip(outcomes)
             .partition(|(_, outcome)| matches!(outcome, Outcome::Completed | Outcome::Duplicate));
-        let acks: Vec<(&Delivery, Ticket)> = done.iter().map(|(p, _)| (&p.delivery, p.ticket)).collect();
+        let acks: Vec<(&Delivery, Ticket)> = done.iter().map(|(p, _)| (&*p.delivery, p.ticket)).collect();
         let results = self.window.ack_all(&acks).await;
         for ((pending, outcome), result) in done.iter().zip(results) {
             let _span = pending.envelope.span.enter();
