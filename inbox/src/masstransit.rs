@@ -9,6 +9,8 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use uuid::Uuid;
@@ -248,13 +250,14 @@ enum EnvelopeFields<'a> {
     /// common form, read in one pass with no map.
     Camel(CamelEnvelope<'a>),
     /// Any other spelling: every field by name.
-    AnyCase(std::collections::BTreeMap<std::borrow::Cow<'a, str>, &'a RawValue>),
+    AnyCase(std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>),
 }
 
 /// The fields of MassTransit's envelope (MT/Serialization/JsonMessageEnvelope.cs)
-/// as it writes them, those the runtime reads kept as they are; any other
-/// field, or one in another case, makes this fail and the envelope is
-/// read by name instead.
+/// as it writes them, those the runtime reads as their text, borrowed from
+/// the body: one pass over it, no copy but the ones kept. Any other field,
+/// one in another case, or a text with an escape in it (it cannot be
+/// borrowed) makes this fail, and the envelope is read by name instead.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[expect(
@@ -263,17 +266,17 @@ enum EnvelopeFields<'a> {
 )]
 struct CamelEnvelope<'a> {
     #[serde(borrow)]
-    message_id: Option<&'a RawValue>,
+    message_id: Option<&'a str>,
     #[serde(borrow)]
-    correlation_id: Option<&'a RawValue>,
+    correlation_id: Option<&'a str>,
     #[serde(borrow)]
-    conversation_id: Option<&'a RawValue>,
+    conversation_id: Option<&'a str>,
     #[serde(borrow)]
-    initiator_id: Option<&'a RawValue>,
+    initiator_id: Option<&'a str>,
     #[serde(borrow)]
-    source_address: Option<&'a RawValue>,
+    source_address: Option<&'a str>,
     #[serde(borrow)]
-    message_type: Option<&'a RawValue>,
+    message_type: Option<Vec<&'a str>>,
     #[serde(borrow)]
     message: Option<&'a RawValue>,
     #[serde(default)]
@@ -304,29 +307,58 @@ impl<'a> EnvelopeFields<'a> {
             .map_err(|e| WireError::NotAnEnvelope(e.to_string()))
     }
 
-    /// Field `name` (as MassTransit spells it) in any case, `None` when
-    /// absent or `null`.
-    fn get(&self, name: &str) -> Option<&'a RawValue> {
-        let value = match self {
-            Self::Camel(envelope) => match name {
+    /// Text field `name` (as MassTransit spells it), `None` when absent or
+    /// `null`.
+    fn text(&self, name: &str) -> Result<Option<Cow<'a, str>>, WireError> {
+        match self {
+            Self::Camel(envelope) => Ok(match name {
                 "messageId" => envelope.message_id,
                 "correlationId" => envelope.correlation_id,
                 "conversationId" => envelope.conversation_id,
                 "initiatorId" => envelope.initiator_id,
                 "sourceAddress" => envelope.source_address,
-                "messageType" => envelope.message_type,
-                "message" => envelope.message,
                 _ => None,
-            }?,
-            Self::AnyCase(fields) => match fields.get(name) {
-                Some(value) => *value,
-                None => *fields.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
-            },
+            }
+            .map(Cow::Borrowed)),
+            Self::AnyCase(_) => Ok(self.parse::<String>(name)?.map(Cow::Owned)),
+        }
+    }
+
+    /// The type names of `messageType`'s URNs; none when it is absent or
+    /// `null`, which MassTransit skips (no consumer takes it) rather than
+    /// fails.
+    fn message_types(&self) -> Result<Vec<String>, WireError> {
+        Ok(match self {
+            Self::Camel(envelope) => type_names(envelope.message_type.iter().flatten().copied()),
+            Self::AnyCase(_) => {
+                let urns: Vec<String> = self.parse("messageType")?.unwrap_or_default();
+                type_names(urns.iter().map(String::as_str))
+            }
+        })
+    }
+
+    /// The message, as it is in the body.
+    fn message(&self) -> Option<&'a RawValue> {
+        match self {
+            Self::Camel(envelope) => envelope.message,
+            Self::AnyCase(_) => self.get("message"),
+        }
+    }
+
+    /// Field `name` in any case, `None` when absent or `null` (read by
+    /// name only).
+    fn get(&self, name: &str) -> Option<&'a RawValue> {
+        let Self::AnyCase(fields) = self else {
+            return None;
+        };
+        let value = match fields.get(name) {
+            Some(value) => *value,
+            None => *fields.iter().find(|(key, _)| key.eq_ignore_ascii_case(name))?.1,
         };
         (value.get() != "null").then_some(value)
     }
 
-    /// Field `name` as `T`, `None` when absent or `null`.
+    /// Field `name` as `T`, `None` when absent or `null` (read by name only).
     fn parse<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<Option<T>, WireError> {
         self.get(name)
             .map(|value| serde_json::from_str(value.get()))
@@ -337,33 +369,32 @@ impl<'a> EnvelopeFields<'a> {
 
 fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvelope, WireError> {
     let envelope = EnvelopeFields::read(body)?;
-    let raw_id: String = envelope
-        .parse("messageId")
+    let raw_id = envelope
+        .text("messageId")
         .map_err(|e| WireError::InvalidMessageId(e.to_string()))?
         .unwrap_or_default();
-    let message_id = Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone()))?;
+    let message_id =
+        Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone().into_owned()))?;
     if let Some(property) = properties.message_id().as_ref()
         && Uuid::try_parse(property.as_str()).ok() != Some(message_id)
     {
         return Err(WireError::MessageIdMismatch {
             property: property.as_str().to_owned(),
-            envelope: raw_id,
+            envelope: raw_id.into_owned(),
         });
     }
-    // `null` or absent: no type, which MassTransit skips (no consumer
-    // takes it) rather than fails.
-    let urns: Vec<String> = envelope.parse("messageType")?.unwrap_or_default();
-    let message_types = type_names(urns.iter().map(String::as_str));
-    let message = envelope.get("message").ok_or(WireError::NoMessage)?;
+    let message_types = envelope.message_types()?;
+    let message = envelope.message().ok_or(WireError::NoMessage)?;
+    let owned = |text: Option<Cow<'_, str>>| text.map(Cow::into_owned);
     Ok(IncomingEnvelope {
         message_id,
         message: camel_case_keys(message.get().as_bytes()),
         context: Context {
             message_types,
-            correlation_id: envelope.parse("correlationId")?,
-            conversation_id: envelope.parse("conversationId")?,
-            initiator_id: envelope.parse("initiatorId")?,
-            source_address: envelope.parse("sourceAddress")?,
+            correlation_id: owned(envelope.text("correlationId")?),
+            conversation_id: owned(envelope.text("conversationId")?),
+            initiator_id: owned(envelope.text("initiatorId")?),
+            source_address: owned(envelope.text("sourceAddress")?),
         },
     })
 }
@@ -1067,16 +1098,27 @@ mod tests {
                 "conversationId",
                 "initiatorId",
                 "sourceAddress",
-                "messageType",
-                "message",
             ] {
-                assert_eq!(
-                    fields.get(name).map(RawValue::get),
-                    by_name.get(name).map(RawValue::get),
-                    "form {i}, {name}"
-                );
+                assert_eq!(fields.text(name), by_name.text(name), "form {i}, {name}");
             }
+            assert_eq!(fields.message_types(), by_name.message_types(), "form {i}");
+            assert_eq!(
+                fields.message().map(RawValue::get),
+                by_name.message().map(RawValue::get),
+                "form {i}"
+            );
         }
+        // A text with an escape cannot be borrowed: read by name, unescaped.
+        let escaped = CAPTURED.replace("\"sourceAddress\": \"", "\"sourceAddress\": \"\\u0072");
+        let fields = EnvelopeFields::read(escaped.as_bytes()).unwrap();
+        assert!(matches!(fields, EnvelopeFields::AnyCase(_)));
+        assert!(
+            fields
+                .text("sourceAddress")
+                .unwrap()
+                .unwrap()
+                .starts_with("rrabbitmq://")
+        );
     }
 
     #[test]

@@ -253,7 +253,7 @@ impl ConsumerActor {
 
     /// Adds `work` to the futures [`SettleAll`] polls, boxed: one
     /// allocation per message, of the settling's whole state (about
-    /// 1.3 KB: see `Settler::settle`).
+    /// 800 bytes: see `Settler::settle`).
     fn start_settling(&mut self, work: impl Future<Output = Settled> + 'static) {
         self.settling.push(Box::pin(work));
         // Always: when the push comes from an item that actix polls after

@@ -209,7 +209,7 @@ impl actix::Handler<Deliver> for DedupActor {
         let span = msg.envelope.span.clone();
         let timeout = self.transaction_timeout;
         // Boxed where it is made: the wrappers then move a pointer, not the
-        // unit of work's whole state (some 5 KiB).
+        // unit of work's whole state (some 2 KiB).
         let process = Box::pin(work.process(msg));
         Box::pin(
             async move {
