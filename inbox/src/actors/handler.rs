@@ -2,30 +2,30 @@
 //! them.
 //!
 //! The actor holds the handlers registered for its event type `E`, in
-//! registration order, and publishes the set it built in a slot its
-//! [`Route`] shares. A unit of work runs the handlers through the route, in
-//! its own task: the route takes the event decoded before the transaction
-//! (or deserializes the body into `E`) and runs every handler on the
-//! message's unit of work ([`Route::run`]), one message (`handle`) or a
-//! batch's messages of the type (`handle_batch`), replying [`Handled`]. A
-//! handler that panics fails its message (never the other messages in
-//! flight), and the route has the actor restart itself through its
+//! registration order, in a [`Slot`] its [`Route`] shares. A unit of work
+//! runs the handlers through the route, in its own task: the route takes
+//! the event decoded before the transaction (or deserializes the body into
+//! `E`) and runs every handler on the message's unit of work
+//! ([`RunHandlers::run`]), one message (`handle`) or a batch's messages of
+//! the type (`handle_batch`), replying [`Handled`]. A handler that panics
+//! fails its message (never the other messages in flight); the slot builds
+//! the handlers anew at once, and the actor restarts through its
 //! [`Supervisor`], via [`Restart`].
 //!
 //! Why no message to the actor per unit of work: a mailbox, a task and a
-//! reply per message were a sixth of the runtime's own CPU per message
-//! (docs/performance.md), and bought nothing the slot does not give:
-//! the handlers still belong to the actor, which builds them and builds
-//! them anew at a restart, and a unit of work past
+//! reply per message were a good part of the runtime's own CPU per
+//! message (docs/performance.md), and bought nothing the slot does not
+//! give: the handlers still live as long as their supervised actor, a
+//! panic still restarts it, and a unit of work past
 //! `database.transaction_timeout` drops the handlers' futures where they
 //! wait, with its connection, since they are its own.
 //!
-//! What a restart resets: every handler registered with a factory
-//! (`RuntimeBuilder::handler_factory`) is built anew, so that whatever a
-//! panic may have left half-changed in it (a client, a cache) starts fresh.
-//! A handler registered as a value (`RuntimeBuilder::handler`) is shared,
-//! and goes on as it was. Messages in flight on the old handlers finish
-//! on them.
+//! What a panic resets: every handler registered with a factory
+//! (`RuntimeBuilder::handler_factory`) is built anew, so that whatever the
+//! panic may have left half-changed in it (a client, a cache) starts fresh;
+//! no message that starts after the panic runs on the old ones. A handler
+//! registered as a value (`RuntimeBuilder::handler`) is shared, and goes
+//! on as it was. Messages in flight on the old handlers finish on them.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -56,15 +56,40 @@ pub(crate) trait RunHandlers: Send + Sync {
     fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync>;
 }
 
-/// The handlers of `E` its actor built last: replaced when it restarts.
-type Slot<E> = Arc<RwLock<Handlers<E>>>;
-
 type Handlers<E> = Arc<[Arc<dyn DynEventHandler<E>>]>;
+
+/// The handlers of `E` as registered, and the set built from them last.
+struct Slot<E> {
+    sources: Vec<HandlerSource<E>>,
+    current: RwLock<Handlers<E>>,
+}
+
+impl<E> Slot<E> {
+    fn new(sources: Vec<HandlerSource<E>>) -> Self {
+        let current = RwLock::new(build(&sources));
+        Self { sources, current }
+    }
+
+    /// The handlers to run a message on.
+    fn current(&self) -> Handlers<E> {
+        // A panic while locked (in a factory) leaves the set whole.
+        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Builds the handlers anew in place of `panicked`, unless a panic on
+    /// another message has already.
+    fn rebuild(&self, panicked: &Handlers<E>) {
+        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+        if Arc::ptr_eq(&current, panicked) {
+            *current = build(&self.sources);
+        }
+    }
+}
 
 /// [`RunHandlers`] for `E`: the actor's slot, and the actor, for
 /// [`Restart`].
 pub(crate) struct HandlerRoute<E: IntegrationEvent> {
-    slot: Slot<E>,
+    slot: Arc<Slot<E>>,
     actor: Addr<HandlerActor<E>>,
     /// `inbox_handler_duration_seconds` of `E`.
     duration: Histogram,
@@ -74,10 +99,10 @@ impl<E: IntegrationEvent> HandlerRoute<E> {
     /// Starts the supervised actor of `sources` (run in this order), and
     /// returns its route.
     pub(crate) fn start(sources: Vec<HandlerSource<E>>) -> Route {
-        let slot: Slot<E> = Arc::new(RwLock::new(build(&sources)));
+        let slot = Arc::new(Slot::new(sources));
         let actor = {
             let slot = Arc::clone(&slot);
-            Supervisor::start(move |_| HandlerActor { sources, slot })
+            Supervisor::start(move |_| HandlerActor { _slot: slot })
         };
         Arc::new(Self {
             slot,
@@ -97,10 +122,12 @@ impl<E: IntegrationEvent> RunHandlers for HandlerRoute<E> {
                 failure: HandlerFailure::Stopped { event_type: E::TYPE },
             }));
         }
-        // Nothing panics while the slot is locked: a poisoned one is whole.
-        let handlers = Arc::clone(&self.slot.read().unwrap_or_else(PoisonError::into_inner));
         let timer = HandlerTimer::start(&self.duration);
-        Box::pin(run_handlers(handlers, envelopes, uow, self.actor.clone(), timer))
+        let owner = Owner {
+            slot: Arc::clone(&self.slot),
+            actor: self.actor.clone(),
+        };
+        Box::pin(run_handlers(owner, envelopes, uow, timer))
     }
 
     fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync> {
@@ -187,11 +214,11 @@ fn build<E>(sources: &[HandlerSource<E>]) -> Handlers<E> {
     sources.iter().map(HandlerSource::build).collect()
 }
 
-/// Owns the handlers registered for `E`: builds them into its route's slot,
-/// and builds them anew when a panic restarts it.
+/// The supervised owner of the handlers registered for `E`: they live as
+/// long as it runs, and a panic in one restarts it.
 pub(crate) struct HandlerActor<E: IntegrationEvent> {
-    sources: Vec<HandlerSource<E>>,
-    slot: Slot<E>,
+    /// Kept for as long as the actor lives; its route runs them.
+    _slot: Arc<Slot<E>>,
 }
 
 impl<E: IntegrationEvent> Actor for HandlerActor<E> {
@@ -200,8 +227,8 @@ impl<E: IntegrationEvent> Actor for HandlerActor<E> {
 
 impl<E: IntegrationEvent> Supervised for HandlerActor<E> {
     fn restarting(&mut self, _ctx: &mut Context<Self>) {
-        let handlers = build(&self.sources);
-        *self.slot.write().unwrap_or_else(PoisonError::into_inner) = handlers;
+        // The slot built them at the panic already, before any other
+        // message could start on the old ones.
         tracing::warn!(
             r#type = E::TYPE,
             "handler actor restarted after a handler panicked; handlers from factories are built anew"
@@ -286,16 +313,24 @@ impl HandledTypes {
     }
 }
 
+/// Where a run's handlers come from: their slot, and the actor that owns
+/// it, which a panic restarts.
+struct Owner<E: IntegrationEvent> {
+    slot: Arc<Slot<E>>,
+    actor: Addr<HandlerActor<E>>,
+}
+
 /// Runs every handler on the messages: `handle` for one message,
-/// `handle_batch` for several. A panic has `myself` restart.
+/// `handle_batch` for several. A panic has the handlers built anew and
+/// their actor restart.
 async fn run_handlers<E: IntegrationEvent>(
-    handlers: Handlers<E>,
+    owner: Owner<E>,
     envelopes: Vec<Arc<Envelope>>,
     mut uow: UnitOfWork,
-    myself: Addr<HandlerActor<E>>,
     // Records when the handlers are done, whichever way they end.
     _timer: HandlerTimer,
 ) -> Handled {
+    let handlers = owner.slot.current();
     // Decoded before the transaction when consumed, and taken here; a
     // message published in process, or on a later attempt, decodes here.
     let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
@@ -345,7 +380,8 @@ async fn run_handlers<E: IntegrationEvent>(
                 // The panic may have struck mid-statement: discard the
                 // connection rather than trust a ROLLBACK on it.
                 drop(uow);
-                myself.do_send(Restart);
+                owner.slot.rebuild(&handlers);
+                owner.actor.do_send(Restart);
                 let failure = HandlerFailure::Panicked {
                     handler: name,
                     message: cut_to_reason(panic_message(panic.as_ref())),

@@ -14,10 +14,11 @@
 //!   inbox, runs the event type's handlers in its unit of work through
 //!   their `Route`, commits or rolls back on what they return (`Handled`),
 //!   replies the `Outcome`.
-//! - `HandlerActor<E>` (`handler.rs`): owns the handlers of one event type
-//!   and publishes them to their `Route`; a panic fails the message, and the
-//!   actor restarts (`Restart`), building anew the handlers registered with
-//!   [`handler_factory`](RuntimeBuilder::handler_factory).
+//! - `HandlerActor<E>` (`handler.rs`): the supervised owner of the handlers
+//!   of one event type, which its `Route` runs; a panic fails the message,
+//!   builds anew the handlers registered with
+//!   [`handler_factory`](RuntimeBuilder::handler_factory), and restarts the
+//!   actor (`Restart`).
 //! - `OutboxActor` (`outbox.rs`): dispatches the rows units of work staged
 //!   in `outbox_messages`, woken by commits (in process and through
 //!   `LISTEN`) and by its poll; samples the backlog. Takes

@@ -124,14 +124,22 @@ async fn a_panicking_handler_fails_its_message_only_and_everything_keeps_flowing
 }
 
 /// Panics on its first message for key 0, and counts like `Count`
-/// otherwise; says how many instances were built.
+/// otherwise; says how many instances were built, and how many messages
+/// an instance was given after it panicked.
 struct FreshAfterPanic {
     panicked: Arc<AtomicUsize>,
+    after_its_panic: Arc<AtomicUsize>,
+    /// This instance panicked.
+    broken: std::sync::atomic::AtomicBool,
 }
 
 impl EventHandler<Counted> for FreshAfterPanic {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        if self.broken.load(Ordering::SeqCst) {
+            self.after_its_panic.fetch_add(1, Ordering::SeqCst);
+        }
         if event.key == 0 && self.panicked.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.broken.store(true, Ordering::SeqCst);
             panic!("panics once, on purpose");
         }
         increment(uow, "counts", event.key).await
@@ -142,12 +150,19 @@ impl EventHandler<Counted> for FreshAfterPanic {
 async fn a_restart_builds_the_handlers_of_a_factory_anew() {
     let env = TestEnv::new("handler_factory").await;
     let (built, panicked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let after_its_panic = Arc::new(AtomicUsize::new(0));
     let factory = {
-        let (built, panicked) = (Arc::clone(&built), Arc::clone(&panicked));
+        let (built, panicked, after) = (
+            Arc::clone(&built),
+            Arc::clone(&panicked),
+            Arc::clone(&after_its_panic),
+        );
         move || {
             built.fetch_add(1, Ordering::SeqCst);
             FreshAfterPanic {
                 panicked: Arc::clone(&panicked),
+                after_its_panic: Arc::clone(&after),
+                broken: Default::default(),
             }
         }
     };
@@ -162,6 +177,11 @@ async fn a_restart_builds_the_handlers_of_a_factory_anew() {
     runtime.shutdown().await;
     assert_eq!(panicked.load(Ordering::SeqCst), 2, "key 0 ran twice");
     assert_eq!(built.load(Ordering::SeqCst), 2, "the restart built a new one");
+    assert_eq!(
+        after_its_panic.load(Ordering::SeqCst),
+        0,
+        "no message starts on an instance that panicked"
+    );
     for key in 0..5 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
