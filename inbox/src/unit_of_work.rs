@@ -51,23 +51,23 @@ struct State {
     /// connection go back to the pool.
     finished: bool,
     /// Messages whose inbox record is written in this transaction; see
-    /// [`InboxStore::complete`](crate::InboxStore::complete).
+    /// [`InboxStore::complete`](crate::store::InboxStore::complete).
     recorded: Vec<Uuid>,
     /// How many savepoints were made; the open one is `s<count>`.
     savepoints: u32,
     /// `recorded` as it was at the open savepoint (batches keep one open
     /// at a time).
     recorded_at_savepoint: Vec<Uuid>,
-    /// How many [`nested`](Self::nested) scopes handlers opened, for their
+    /// How many [`nested`](UnitOfWork::nested) scopes handlers opened, for their
     /// savepoints' names.
     nested_scopes: u32,
-    /// Where [`publish`](Self::publish) stages messages; `None` where no
+    /// Where [`publish`](UnitOfWork::publish) stages messages; `None` where no
     /// dispatcher runs.
     outbox: Option<Outbox>,
     /// The messages its handlers are handling now, in the order of their
     /// events.
     contexts: Vec<MessageContext>,
-    /// The messages staged with [`publish`](Self::publish), in staging
+    /// The messages staged with [`publish`](UnitOfWork::publish), in staging
     /// order: written to `outbox_messages` with the `COMMIT` (the outbox
     /// on), or handed over after it (off). A rolled-back savepoint or
     /// nested scope truncates them to what they were when it opened.

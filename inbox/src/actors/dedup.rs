@@ -3,10 +3,10 @@
 //! Owns the connection pool and the inbox store. Receives [`Deliver`] (from
 //! a [`ConsumerActor`](crate::actors::consumer::ConsumerActor) or the in-process
 //! [`Publisher`](crate::Publisher)); for each message it opens a unit of
-//! work, claims the message in the inbox, runs the handlers that the
-//! [`HandlerActor`](crate::actors::handler::HandlerActor) of the message's type holds
-//! (through its [`Route`]), in the message's task, and commits or rolls
-//! back. It replies with the message's [`Outcome`].
+//! work, claims the message in the inbox, runs the handlers of the
+//! message's type (through their [`Route`], in the message's task; their
+//! [`HandlerActor`](crate::actors::handler::HandlerActor) supervises them), and commits
+//! or rolls back. It replies with the message's [`Outcome`].
 //!
 //! Receives [`DeliverBatch`] (a consumer with `batch_size` above 1): claims
 //! the batch's messages in one go, runs the handlers on the whole batch

@@ -1,9 +1,10 @@
-//! [`HandlerActor`]: owns the handlers of one event type; [`Route`]: runs
-//! them.
+//! [`HandlerActor`]: the supervised actor of one event type's handlers;
+//! [`Route`]: runs them.
 //!
-//! The actor holds the handlers registered for its event type `E`, in
-//! registration order, in a [`Slot`] its [`Route`] shares. A unit of work
-//! runs the handlers through the route, in its own task: the route takes
+//! The handlers registered for an event type `E`, in registration order,
+//! are held in a `Slot` of its [`Route`]; the route runs them only while
+//! the type's supervised actor runs. A unit of work runs the handlers
+//! through the route, in its own task: the route takes
 //! the event decoded before the transaction (or deserializes the body into
 //! `E`) and runs every handler on the message's unit of work
 //! ([`RunHandlers::run`]), one message (`handle`) or a batch's messages of
@@ -15,7 +16,7 @@
 //! Why no message to the actor per unit of work: a mailbox, a task and a
 //! reply per message were a good part of the runtime's own CPU per
 //! message (docs/performance.md), and bought nothing the slot does not
-//! give: the handlers still live as long as their supervised actor, a
+//! give: the handlers still run only while their supervised actor does, a
 //! panic still restarts it, and a unit of work past
 //! `database.transaction_timeout` drops the handlers' futures where they
 //! wait, with its connection, since they are its own.
@@ -86,7 +87,7 @@ impl<E> Slot<E> {
     }
 }
 
-/// [`RunHandlers`] for `E`: the actor's slot, and the actor, for
+/// [`RunHandlers`] for `E`: its handlers' slot, and their actor, for
 /// [`Restart`].
 pub(crate) struct HandlerRoute<E: IntegrationEvent> {
     slot: Arc<Slot<E>>,
@@ -99,13 +100,11 @@ impl<E: IntegrationEvent> HandlerRoute<E> {
     /// Starts the supervised actor of `sources` (run in this order), and
     /// returns its route.
     pub(crate) fn start(sources: Vec<HandlerSource<E>>) -> Route {
-        let slot = Arc::new(Slot::new(sources));
-        let actor = {
-            let slot = Arc::clone(&slot);
-            Supervisor::start(move |_| HandlerActor { _slot: slot })
-        };
+        let actor = Supervisor::start(|_| HandlerActor {
+            event: std::marker::PhantomData,
+        });
         Arc::new(Self {
-            slot,
+            slot: Arc::new(Slot::new(sources)),
             actor,
             duration: crate::actors::metrics::handler_duration(E::TYPE),
         })
@@ -214,11 +213,11 @@ fn build<E>(sources: &[HandlerSource<E>]) -> Handlers<E> {
     sources.iter().map(HandlerSource::build).collect()
 }
 
-/// The supervised owner of the handlers registered for `E`: they live as
-/// long as it runs, and a panic in one restarts it.
+/// The supervised actor of the handlers registered for `E`: its route
+/// runs them while it runs (health watches it as `handler actor of E`),
+/// and a panic in one restarts it.
 pub(crate) struct HandlerActor<E: IntegrationEvent> {
-    /// Kept for as long as the actor lives; its route runs them.
-    _slot: Arc<Slot<E>>,
+    event: std::marker::PhantomData<fn() -> E>,
 }
 
 impl<E: IntegrationEvent> Actor for HandlerActor<E> {

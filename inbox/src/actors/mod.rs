@@ -14,8 +14,9 @@
 //!   inbox, runs the event type's handlers in its unit of work through
 //!   their `Route`, commits or rolls back on what they return (`Handled`),
 //!   replies the `Outcome`.
-//! - `HandlerActor<E>` (`handler.rs`): the supervised owner of the handlers
-//!   of one event type, which its `Route` runs; a panic fails the message,
+//! - `HandlerActor<E>` (`handler.rs`): the supervised actor of one event
+//!   type's handlers, which its `Route` holds and runs while the actor
+//!   runs; a panic fails the message,
 //!   builds anew the handlers registered with
 //!   [`handler_factory`](RuntimeBuilder::handler_factory), and restarts the
 //!   actor (`Restart`).
