@@ -5,6 +5,8 @@
 
 use std::collections::HashMap;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use inbox::tokio_postgres::{Client, NoTls};
@@ -14,12 +16,33 @@ use inbox::{Runtime, StatsSnapshot};
 use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
 /// [`Count`], taking a while inside its transaction: messages are in flight
-/// when the server goes.
-struct SlowCount;
+/// when the server goes. The first message of key [`HELD_OPEN`] waits
+/// inside its transaction until the servers are swapped, so that one
+/// transaction is certainly open on the old primary when it goes.
+struct SlowCount {
+    swap: Arc<Swap>,
+}
+
+/// The key whose first attempt waits for the swap.
+const HELD_OPEN: i64 = 20;
+
+/// A handler waits in its transaction (`waiting`) until the test has
+/// swapped the servers (`done`).
+#[derive(Default)]
+struct Swap {
+    waiting: AtomicBool,
+    done: AtomicBool,
+}
 
 impl EventHandler<Counted> for SlowCount {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         increment(uow, "counts", event.key).await?;
+        if event.key == HELD_OPEN {
+            self.swap.waiting.store(true, Ordering::SeqCst);
+            while !self.swap.done.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
         Ok(())
     }
@@ -180,25 +203,33 @@ async fn on_failover_messages_are_held_then_processed_once_on_the_new_primary() 
         env.database
     );
     settings.queues[0].prefetch = 8;
+    let swap = Arc::new(Swap::default());
     let runtime = Runtime::builder(settings.valid())
-        .handler(SlowCount)
+        .handler(SlowCount {
+            swap: Arc::clone(&swap),
+        })
         .start()
         .await
         .unwrap();
     publish_keys(&runtime, &env.queue, 0..40).await;
 
     // The failover: the first server turns read-only and drops its sessions
-    // while messages are in flight. A batch holds its transaction open for
-    // up to 8 x 20 ms, so waiting for an open one makes "in flight" certain
-    // rather than likely (between two batches none is open, and a server
-    // swapped then holds nothing).
+    // while messages are in flight. The handler of key HELD_OPEN keeps its
+    // transaction open until the swap is done, so "in flight" is certain
+    // rather than likely (waiting for any open transaction raced with its
+    // commit: a server swapped between two batches holds nothing).
     let admin = connect(5432, "postgres").await;
     wait_until(
-        "some complete on the first server and a transaction is open there",
-        || async { runtime.stats().completed >= 5 && in_transaction(&admin, &env.database).await },
+        "some complete on the first server and a transaction waits open there",
+        || async {
+            runtime.stats().completed >= 5
+                && swap.waiting.load(Ordering::SeqCst)
+                && in_transaction(&admin, &env.database).await
+        },
     )
     .await;
     turn_read_only(&admin, &env.database).await;
+    swap.done.store(true, Ordering::SeqCst);
     publish_keys(&runtime, &env.queue, 40..60).await;
     wait_until("all complete", || async { runtime.stats().completed == 60 }).await;
     let stats = runtime.stats();
