@@ -196,7 +196,7 @@ impl Work {
             let saved = uow
                 .savepoint()
                 .map_err(|e| Abandoned::database(Stage::Savepoint, &e))?;
-            let failure = match route.run(vec![envelope], saved).await {
+            let failure = match Arc::clone(route).run(vec![envelope], saved).await {
                 Handled::Done(mut done) => match self.store.complete(&mut done, key).await {
                     Ok(()) => {
                         outcomes[i] = Some(Outcome::Completed);
@@ -263,7 +263,7 @@ impl Work {
                 Err(abandoned) => return WholeBatch::Lost(abandoned),
             };
             let size = group.len();
-            match route.run(group, uow).await {
+            match Arc::clone(route).run(group, uow).await {
                 Handled::Done(done) => uow = done,
                 Handled::Failed {
                     uow: Some(failed),

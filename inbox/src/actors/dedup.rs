@@ -387,7 +387,7 @@ impl Work {
             }
             None => Vec::new(),
         };
-        let mut handled = route.run(vec![Arc::clone(&envelope)], uow).await;
+        let mut handled = Arc::clone(route).run(vec![Arc::clone(&envelope)], uow).await;
         for (name, route) in others {
             let Handled::Done(uow) = handled else {
                 break;
@@ -395,7 +395,7 @@ impl Work {
             // The message as this type: its handlers' context names it.
             let mut as_type = (*envelope).clone();
             as_type.event_type = name.clone();
-            handled = route.run(vec![Arc::new(as_type)], uow).await;
+            handled = Arc::clone(route).run(vec![Arc::new(as_type)], uow).await;
         }
         handled
     }

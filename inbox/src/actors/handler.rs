@@ -51,7 +51,7 @@ pub(crate) trait RunHandlers: Send + Sync {
     /// order). Dropped before it ends (past `database.transaction_timeout`),
     /// the handlers are cancelled where they wait, and `uow` is dropped with
     /// its connection.
-    fn run(&self, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled>;
+    fn run(self: Arc<Self>, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled>;
 
     /// Whether the handler actor runs (for health); does not keep it alive.
     fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync>;
@@ -112,7 +112,7 @@ impl<E: IntegrationEvent> HandlerRoute<E> {
 }
 
 impl<E: IntegrationEvent> RunHandlers for HandlerRoute<E> {
-    fn run(&self, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled> {
+    fn run(self: Arc<Self>, envelopes: Vec<Arc<Envelope>>, uow: UnitOfWork) -> BoxFuture<'static, Handled> {
         if !self.actor.connected() {
             // Stopped for good (the system is stopping): the handlers have
             // no owner to restart them, and run no more.
@@ -122,11 +122,7 @@ impl<E: IntegrationEvent> RunHandlers for HandlerRoute<E> {
             }));
         }
         let timer = HandlerTimer::start(&self.duration);
-        let owner = Owner {
-            slot: Arc::clone(&self.slot),
-            actor: self.actor.clone(),
-        };
-        Box::pin(run_handlers(owner, envelopes, uow, timer))
+        Box::pin(run_handlers(self, envelopes, uow, timer))
     }
 
     fn liveness(&self) -> Box<dyn Fn() -> bool + Send + Sync> {
@@ -194,9 +190,9 @@ pub(crate) struct Restart;
 
 /// A handler as registered: a value, or a factory that builds one.
 pub(crate) enum HandlerSource<E> {
-    /// Shared by every incarnation of the actor.
+    /// Shared, whatever panics.
     Value(Arc<dyn DynEventHandler<E>>),
-    /// Called again at each restart.
+    /// Called again after each panic.
     Factory(Arc<dyn Fn() -> Arc<dyn DynEventHandler<E>> + Send + Sync>),
 }
 
@@ -252,8 +248,8 @@ pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
 /// Decodes a body into an event type before a message's transaction
 /// begins: a body that is not its event goes to the error queue without
 /// costing a transaction and a rollback, and one that is has its event
-/// held in the envelope ([`crate::envelope::DecodedEvent`]) for the handler
-/// actor, which parses it no second time.
+/// held in the envelope ([`crate::envelope::DecodedEvent`]) for the
+/// handlers' route, which parses it no second time.
 pub(crate) type Decodes = fn(&[u8]) -> Result<Box<dyn std::any::Any + Send>, String>;
 
 /// [`Decodes`] for `E`.
@@ -312,24 +308,18 @@ impl HandledTypes {
     }
 }
 
-/// Where a run's handlers come from: their slot, and the actor that owns
-/// it, which a panic restarts.
-struct Owner<E: IntegrationEvent> {
-    slot: Arc<Slot<E>>,
-    actor: Addr<HandlerActor<E>>,
-}
-
 /// Runs every handler on the messages: `handle` for one message,
 /// `handle_batch` for several. A panic has the handlers built anew and
 /// their actor restart.
 async fn run_handlers<E: IntegrationEvent>(
-    owner: Owner<E>,
+    // Shared, not its parts cloned: an `Addr` clone allocates.
+    route: Arc<HandlerRoute<E>>,
     envelopes: Vec<Arc<Envelope>>,
     mut uow: UnitOfWork,
     // Records when the handlers are done, whichever way they end.
     _timer: HandlerTimer,
 ) -> Handled {
-    let handlers = owner.slot.current();
+    let handlers = route.slot.current();
     // Decoded before the transaction when consumed, and taken here; a
     // message published in process, or on a later attempt, decodes here.
     let mut events: Vec<E> = Vec::with_capacity(envelopes.len());
@@ -379,8 +369,8 @@ async fn run_handlers<E: IntegrationEvent>(
                 // The panic may have struck mid-statement: discard the
                 // connection rather than trust a ROLLBACK on it.
                 drop(uow);
-                owner.slot.rebuild(&handlers);
-                owner.actor.do_send(Restart);
+                route.slot.rebuild(&handlers);
+                route.actor.do_send(Restart);
                 let failure = HandlerFailure::Panicked {
                     handler: name,
                     message: cut_to_reason(panic_message(panic.as_ref())),

@@ -77,23 +77,6 @@ impl InboxStore for PgInboxStore {
         Ok(claims)
     }
 
-    /// As the provided method does, with a future of a few bytes when
-    /// [`try_begin`](InboxStore::try_begin) staged the record, as it
-    /// always has on the runtime's path: the runtime boxes it, and a box
-    /// the size of a statement's future, above the allocator's cache of
-    /// small blocks, costs more than the check.
-    fn complete(&self, uow: &mut UnitOfWork, key: &InboxKey) -> impl Future<Output = StoreResult<()>> + Send {
-        use futures_util::future::Either;
-        if uow.is_recorded(key.message_id) {
-            return Either::Left(std::future::ready(Ok(())));
-        }
-        Either::Right(Box::pin(async move {
-            claim(uow, key).await?;
-            uow.note_recorded(key.message_id);
-            Ok(())
-        }))
-    }
-
     /// Deletes the row staged for `key`: in a batch it was written before
     /// the message's savepoint, so rolling back to that savepoint kept it.
     async fn abandon(&self, uow: &mut UnitOfWork, key: &InboxKey) -> StoreResult<()> {

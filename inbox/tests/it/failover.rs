@@ -39,7 +39,12 @@ impl EventHandler<Counted> for SlowCount {
         increment(uow, "counts", event.key).await?;
         if event.key == HELD_OPEN {
             self.swap.waiting.store(true, Ordering::SeqCst);
-            while !self.swap.done.load(Ordering::SeqCst) {
+            // Bounded: a test that failed before the swap must not leave
+            // the handler waiting until the transaction's timeout.
+            for _ in 0..2_000 {
+                if self.swap.done.load(Ordering::SeqCst) {
+                    break;
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
