@@ -131,7 +131,7 @@ pub(crate) enum Repr {
     /// No connection could be taken from the pool. The text carries the
     /// cause (`database "x" does not exist`, a refused connection) and the
     /// server it was for.
-    #[error("cannot connect to the database: {}", describe(.0))]
+    #[error("cannot connect to the database: {}", describe_checkout(.0))]
     Pool(#[source] deadpool_postgres::PoolError),
 
     /// An inbox store of the service's own failed.
@@ -274,6 +274,27 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
         };
         if !text.contains(&more) {
             text = format!("{text}: {more}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// [`describe`] of a failed checkout from the pool, with what to change
+/// when the server has no connection slot left for a new connection
+/// (53300): the pools of every instance together outgrew it, and only
+/// settings can mend that.
+fn describe_checkout(error: &deadpool_postgres::PoolError) -> String {
+    let text = describe(error);
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = source {
+        if let Some(db) = cause.downcast_ref::<tokio_postgres::error::DbError>()
+            && *db.code() == tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS
+        {
+            return format!(
+                "{text}; keep `database.pool_size`, times the instances, below the server's \
+                 `max_connections` (or the role's connection limit)"
+            );
         }
         source = cause.source();
     }

@@ -74,6 +74,9 @@ struct State {
     outgoing: Vec<Outgoing>,
     /// How many there were at the open savepoint.
     outgoing_at_savepoint: usize,
+    /// The runtime's slot for the connection (see `db::Slots`), given back
+    /// after the connection: last, as fields drop in order.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// A statement's own result, before it is told apart as the runtime's error.
@@ -139,6 +142,7 @@ impl UnitOfWork {
                 contexts: Vec::new(),
                 outgoing: Vec::new(),
                 outgoing_at_savepoint: 0,
+                slot: None,
             }),
         };
         if let Some(Err(e)) = uow.client().batch_execute(BEGIN).now_or_never() {
@@ -234,6 +238,12 @@ impl UnitOfWork {
     /// opens).
     pub(crate) fn with_outbox(mut self, outbox: Outbox) -> Self {
         self.state.outbox = Some(outbox);
+        self
+    }
+
+    /// Holds `slot` as long as the connection (see `db::Slots`).
+    pub(crate) fn with_slot(mut self, slot: tokio::sync::OwnedSemaphorePermit) -> Self {
+        self.state.slot = Some(slot);
         self
     }
 

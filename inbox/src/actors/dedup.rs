@@ -42,6 +42,7 @@ use crate::UnitOfWork;
 use crate::actors::handler::{Handled, HandlerFailure, Route};
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
+use crate::db::Slots;
 use crate::envelope::Envelope;
 use crate::policy::{Abandoned, Outcome, Stage};
 use crate::store::{Claim, DynInboxStore, InboxKey};
@@ -88,6 +89,9 @@ pub(crate) type Routes = HashMap<String, Route>;
 /// Owns the pool and the store; runs each message's unit of work.
 pub struct DedupActor {
     pool: Pool,
+    /// The connections units of work may hold at once: fewer than the
+    /// pool's size once the server refuses more (see `Slots`).
+    slots: Arc<Slots>,
     /// Given to every unit of work, so that handlers can stage messages.
     outbox: Outbox,
     /// `database.transaction_timeout`: the longest a message's (or a
@@ -137,6 +141,7 @@ impl DedupActor {
             })
             .collect();
         Self {
+            slots: Arc::new(Slots::new(&pool)),
             pool,
             outbox,
             transaction_timeout,
@@ -191,6 +196,7 @@ impl DedupActor {
         Work {
             claim_wait,
             pool: self.pool.clone(),
+            slots: Arc::clone(&self.slots),
             outbox: self.outbox.clone(),
             store: Arc::clone(&self.store),
             routes: Arc::clone(self.routes_by_consumer.get(consumer).unwrap_or(&self.routes)),
@@ -290,6 +296,7 @@ pub(crate) struct Work {
     /// The claim's duration: the wait on a concurrent copy's row lock.
     pub(crate) claim_wait: Histogram,
     pub(crate) pool: Pool,
+    pub(crate) slots: Arc<Slots>,
     pub(crate) outbox: Outbox,
     pub(crate) store: Arc<dyn DynInboxStore>,
     pub(crate) routes: Arc<Routes>,
@@ -298,15 +305,15 @@ pub(crate) struct Work {
 
 impl Work {
     pub(crate) async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
-        let connection = self
-            .pool
-            .get()
+        let (connection, slot) = self
+            .slots
+            .checkout(&self.pool)
             .await
             .map_err(|e| Abandoned::database(Stage::Database, &Error::client(e)))?;
         let uow = UnitOfWork::begin(connection)
             .await
             .map_err(|e| Abandoned::database(Stage::Begin, &e))?;
-        Ok(uow.with_outbox(self.outbox.clone()))
+        Ok(uow.with_outbox(self.outbox.clone()).with_slot(slot))
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {

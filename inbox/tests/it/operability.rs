@@ -10,7 +10,9 @@ use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::proxy::{Proxy, broker_through_proxy, database_through_proxy};
-use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
+use crate::support::{
+    Captured, Count, Counted, TestEnv, Valid, database_url_of, increment, publish_keys, wait_until,
+};
 
 #[actix_rt::test]
 async fn ready_once_consuming_and_no_longer_while_draining_live_all_along() {
@@ -229,4 +231,112 @@ async fn the_metrics_count_each_outcome_by_queue_and_name_every_series() {
             "no {name} in:\n{text}"
         );
     }
+}
+
+/// Makes `role` (a login without superuser rights, so that its connection
+/// limit holds) with the grants a service needs on `env`'s database and
+/// at most `limit` connections at once.
+async fn limited_role(env: &TestEnv, role: &str, limit: u32) -> inbox::tokio_postgres::Client {
+    let mut admin = env.db().await;
+    inbox::internal::run_migrations(&mut admin).await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;
+             END $$;
+             ALTER ROLE {role} CONNECTION LIMIT {limit};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON inbox_messages, inbox_deliveries, outbox_messages TO {role};
+             GRANT USAGE ON SEQUENCE outbox_messages_seq_seq TO {role};
+             GRANT SELECT, INSERT, UPDATE ON counts TO {role};"
+        ))
+        .await
+        .unwrap();
+    admin
+}
+
+/// `env`'s settings, connecting as `role`.
+fn settings_as(env: &TestEnv, role: &str) -> inbox::Settings {
+    let mut settings = env.settings();
+    let as_postgres = database_url_of(&env.database);
+    settings.database.url = as_postgres.replacen("://postgres@", &format!("://{role}@"), 1);
+    assert_ne!(
+        settings.database.url, as_postgres,
+        "DATABASE_URL names user postgres"
+    );
+    settings.database.run_migrations = false;
+    settings
+}
+
+/// A pool larger than the connections the server grants (here the role's
+/// connection limit, as a managed server's `max_connections` would be once
+/// several instances share it): a message whose connection is refused
+/// waits for one of the pool's, spends none of its attempts and is
+/// processed once; none is retried or set aside, and the log says which
+/// setting to change.
+#[actix_rt::test]
+async fn a_pool_larger_than_the_server_grants_waits_and_spends_no_attempt() {
+    let env = TestEnv::new("pool_over_limit").await;
+    let role = "inbox_test_pool_over_limit";
+    let admin = limited_role(&env, role, 3).await;
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    let mut settings = settings_as(&env, role);
+    settings.database.pool_size = 20;
+    settings.queues[0].prefetch = 16;
+    settings.queues[0].batch_size = 1;
+    let runtime = Runtime::builder(settings.valid())
+        .handler(Count)
+        .start()
+        .await
+        .unwrap();
+    publish_keys(&runtime, &env.queue, 0..200).await;
+    wait_until("all complete", || async { runtime.stats().completed == 200 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!(
+        (stats.retried, stats.abandoned, stats.dead_lettered),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    let text = logs.text();
+    assert!(
+        text.contains("for want of slots (53300)")
+            && text.contains("`database.pool_size`, times the instances"),
+        "the limit was met and said so: {text}"
+    );
+    for key in 0..200 {
+        assert_eq!(env.count("counts", key).await, 1, "key {key}");
+    }
+    admin
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .await
+        .unwrap();
+}
+
+/// A connection refused for want of slots is waited for like an outage
+/// at start, and the error says which setting to change.
+#[actix_rt::test]
+async fn a_connection_refused_for_want_of_slots_names_pool_size() {
+    let env = TestEnv::new("pool_no_slot").await;
+    let role = "inbox_test_pool_no_slot";
+    let admin = limited_role(&env, role, 1).await;
+    let mut settings = settings_as(&env, role);
+    settings.database.connect_timeout = Duration::from_secs(1);
+    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let only = pool.get().await.unwrap();
+    let Err(refused) = inbox::tools::wait_for_database(&pool, &settings).await else {
+        panic!("a second connection beyond the role's limit");
+    };
+    let refused = refused.to_string();
+    assert!(refused.contains("53300"), "{refused}");
+    assert!(
+        refused.contains("`database.pool_size`, times the instances"),
+        "{refused}"
+    );
+    drop((only, pool));
+    admin
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .await
+        .unwrap();
 }
