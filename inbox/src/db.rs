@@ -95,17 +95,24 @@ impl Slots {
         pool: &Pool,
     ) -> std::result::Result<(Object, OwnedSemaphorePermit), PoolError> {
         loop {
-            let acquire = Arc::clone(&self.permits).acquire_owned();
-            let slot = match pool.timeouts().wait {
-                Some(wait) => tokio::time::timeout(wait, acquire)
-                    .await
-                    .map_err(|_| PoolError::Timeout(TimeoutType::Wait))?,
-                None => acquire.await,
-            }
-            .map_err(|_| PoolError::Closed)?;
+            // A free slot is the rule: taken without a timer, which would
+            // cost every message a registration.
+            let slot = match Arc::clone(&self.permits).try_acquire_owned() {
+                Ok(slot) => slot,
+                Err(_) => {
+                    let acquire = Arc::clone(&self.permits).acquire_owned();
+                    match pool.timeouts().wait {
+                        Some(wait) => tokio::time::timeout(wait, acquire)
+                            .await
+                            .map_err(|_| PoolError::Timeout(TimeoutType::Wait))?,
+                        None => acquire.await,
+                    }
+                    .map_err(|_| PoolError::Closed)?
+                }
+            };
             match pool.get().await {
                 Ok(connection) => return Ok((connection, slot)),
-                Err(PoolError::Backend(e)) if no_slot_left(&e) && pool.status().size > 0 => {
+                Err(PoolError::Backend(e)) if crate::error::no_slot_left(&e) && pool.status().size > 0 => {
                     // This slot is given up with the others above what the
                     // pool holds: wait for a taken one to come back.
                     drop(slot);
@@ -132,14 +139,10 @@ impl Slots {
             open,
             limit = *granted,
             pool_size,
-            "the database refused a new connection for want of slots (53300): messages now share the connections open, until a restart; keep `database.pool_size`, times the instances, below the server's `max_connections` (or the role's connection limit)"
+            "the database refused a new connection for want of slots (53300): messages now share the connections open, until a restart; {}",
+            crate::error::NO_SLOT_LEFT_HINT
         );
     }
-}
-
-/// Whether the server refused a connection for want of slots (53300).
-fn no_slot_left(error: &tokio_postgres::Error) -> bool {
-    error.code() == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
 }
 
 /// A connection from `pool`, waiting for the database the way a start

@@ -286,19 +286,21 @@ pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// settings can mend that.
 fn describe_checkout(error: &deadpool_postgres::PoolError) -> String {
     let text = describe(error);
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(cause) = source {
-        if let Some(db) = cause.downcast_ref::<tokio_postgres::error::DbError>()
-            && *db.code() == tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS
-        {
-            return format!(
-                "{text}; keep `database.pool_size`, times the instances, below the server's \
-                 `max_connections` (or the role's connection limit)"
-            );
+    match error {
+        deadpool_postgres::PoolError::Backend(e) if no_slot_left(e) => {
+            format!("{text}; {NO_SLOT_LEFT_HINT}")
         }
-        source = cause.source();
+        _ => text,
     }
-    text
+}
+
+/// What to change when the server has no connection slot left (53300).
+pub(crate) const NO_SLOT_LEFT_HINT: &str = "keep `database.pool_size`, times the instances, below the server's `max_connections` (or the role's connection limit)";
+
+/// Whether the server refused a connection for want of slots (53300:
+/// `max_connections`, or the role's limit).
+pub(crate) fn no_slot_left(error: &tokio_postgres::Error) -> bool {
+    error.code() == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
 }
 
 /// Whether `error` (or one of its sources) says the database cannot take
