@@ -6,7 +6,11 @@
 //! once it reaches `queues[].delivery_limit`.
 //!
 //! Only redeliveries are counted: a first delivery costs nothing, so the
-//! common path pays nothing for it.
+//! common path pays nothing for it. The count ends when the message leaves
+//! the queue (set aside, or to a retry tier): a copy that comes back (from
+//! a tier, or replayed from the error queue by whatever tool) is a new
+//! message to the queue, as it is to a quorum queue's own count, and starts
+//! with its deliveries unspent.
 
 use deadpool_postgres::Pool;
 use uuid::Uuid;
@@ -37,4 +41,19 @@ pub(crate) async fn count_redelivery(pool: &Pool, consumer: &str, message_id: Uu
         .try_get(0)
         .map_err(Error::client)?;
     Ok(u32::try_from(deliveries).unwrap_or(0))
+}
+
+/// Forgets the deliveries counted for `message_id`: it has left the queue
+/// (see the module's documentation).
+pub(crate) async fn forget(pool: &Pool, consumer: &str, message_id: Uuid) -> Result<()> {
+    let client = pool.get().await.map_err(Error::client)?;
+    let statement = client
+        .prepare_cached("DELETE FROM inbox_deliveries WHERE consumer = $1 AND message_id = $2")
+        .await
+        .map_err(Error::client)?;
+    client
+        .execute(&statement, &[&consumer, &message_id])
+        .await
+        .map_err(Error::client)?;
+    Ok(())
 }

@@ -48,7 +48,10 @@ pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
 
     /// Applies several events through one `uow`, in delivery order: the
     /// messages of one batch (`queues[].batch_size` above 1). The default
-    /// calls [`handle`](Self::handle) for each event.
+    /// calls [`handle`](Self::handle) for each event, with that event's
+    /// message as [`UnitOfWork::context`], so that a handler written for
+    /// one message reads its own message's context and stamps its ids on
+    /// the follow-ups it stages, whatever the batch size.
     ///
     /// Override it to write a whole batch in a few set-based statements
     /// instead of a few statements per event: that is what makes batches
@@ -58,14 +61,23 @@ pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
     /// savepoint of its own: the failing message is isolated and takes its
     /// failure path alone, the others commit. When several handlers are
     /// registered, each handles the whole batch before the next starts.
+    ///
+    /// An override handles every message at once: `uow.context()` is
+    /// `None` there, `uow.contexts()[i]` is the message of `events[i]`, and
+    /// a follow-up is staged with
+    /// [`publish_caused_by`](UnitOfWork::publish_caused_by) naming its
+    /// cause (`publish` refuses to guess it).
     fn handle_batch(
         &self,
         events: &[E],
         uow: &mut UnitOfWork,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         async move {
-            for event in events {
-                self.handle(event, uow).await?;
+            for (i, event) in events.iter().enumerate() {
+                uow.focus(Some(i));
+                let handled = self.handle(event, uow).await;
+                uow.focus(None);
+                handled?;
             }
             Ok(())
         }

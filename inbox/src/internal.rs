@@ -12,6 +12,16 @@ pub use crate::outbox::{Outgoing, Sink, dispatch};
 pub use crate::policy::{Abandoned, Outcome};
 pub use crate::retention::sweep;
 
+/// Drains the outbox as the runtime's dispatcher does (rounds pipelined,
+/// every lease held renewed) until a round comes back short.
+pub async fn drain_outbox(
+    pool: &deadpool_postgres::Pool,
+    sink: &dyn Sink,
+    settings: &crate::settings::OutboxSettings,
+) -> crate::Result<()> {
+    crate::outbox::drain(pool, sink, settings, |_| true).await
+}
+
 /// [`Settings::load`](crate::Settings::load) from the files in `dir`, for
 /// the environment `inbox_env` (the tests' `config/test.toml`), whatever
 /// `INBOX_CONFIG_DIR` and `INBOX_ENV` say.

@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_deliveries",
         include_str!("migrations/0008_inbox_deliveries.sql"),
     ),
+    (
+        9,
+        "outbox_lease_token",
+        include_str!("migrations/0009_outbox_lease_token.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

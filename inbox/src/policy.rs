@@ -60,8 +60,6 @@ pub enum Stage {
     Commit,
     /// The whole transaction, past `database.transaction_timeout`.
     Transaction,
-    /// Another message of the batch took the transaction down.
-    Batch,
     /// Waiting for a turn to run a batch's handlers (a lane of
     /// `queues[].concurrent_batches`).
     BatchTurn,
@@ -80,7 +78,7 @@ pub enum Stage {
 impl Stage {
     /// Every runtime stage (all but [`Handler`](Self::Handler)), for docs
     /// and tests.
-    pub const RUNTIME: [Stage; 20] = [
+    pub const RUNTIME: [Stage; 19] = [
         Stage::Decode,
         Stage::DeliveryLimit,
         Stage::BodySize,
@@ -96,7 +94,6 @@ impl Stage {
         Stage::Rollback,
         Stage::Commit,
         Stage::Transaction,
-        Stage::Batch,
         Stage::BatchTurn,
         Stage::HandlerCall,
         Stage::Handover,
@@ -123,7 +120,6 @@ impl fmt::Display for Stage {
             Stage::Rollback => "rollback",
             Stage::Commit => "commit",
             Stage::Transaction => "transaction",
-            Stage::Batch => "batch",
             // The actors (`actors/`) that these stages reach.
             Stage::BatchTurn => "batch lane",
             Stage::HandlerCall => "handler actor",

@@ -67,6 +67,10 @@ struct State {
     /// The messages its handlers are handling now, in the order of their
     /// events.
     contexts: Vec<MessageContext>,
+    /// Which of `contexts` a batch's default `handle_batch` is handling
+    /// now through `handle`: the one [`context`](UnitOfWork::context)
+    /// returns and [`publish`](UnitOfWork::publish) stamps.
+    focus: Option<usize>,
     /// The messages staged with [`publish`](UnitOfWork::publish), in staging
     /// order: written to `outbox_messages` with the `COMMIT` (the outbox
     /// on), or handed over after it (off). A rolled-back savepoint or
@@ -93,6 +97,17 @@ const PROBE: &str = "SELECT 1";
 /// Commits; in an aborted transaction, rolls back without an error, which
 /// is why [`PROBE`] runs just before it.
 const COMMIT: &str = "COMMIT";
+
+/// Rolls an aborted transaction back: what [`COMMIT`] would do there, said
+/// plainly.
+const ROLLBACK: &str = "ROLLBACK";
+
+/// A statement [`UnitOfWork::prepare`]d for the commit, or the error that
+/// says the transaction is aborted.
+enum Prepared {
+    Statement(tokio_postgres::Statement),
+    Aborted(tokio_postgres::Error),
+}
 
 /// A unit of work's outbox: the exchange its staged messages go to, the
 /// dispatcher to wake when a commit has staged some, and, with the outbox
@@ -140,6 +155,7 @@ impl UnitOfWork {
                 nested_scopes: 0,
                 outbox: None,
                 contexts: Vec::new(),
+                focus: None,
                 outgoing: Vec::new(),
                 outgoing_at_savepoint: 0,
                 slot: None,
@@ -247,26 +263,60 @@ impl UnitOfWork {
         self
     }
 
-    /// The message being handled, when there is one: in a handler's
-    /// `handle`. `None` in a whole batch's `handle_batch` (see
-    /// [`contexts`](Self::contexts)) and in application code.
+    /// The message being handled, in a handler's `handle`, whatever the
+    /// batch size: when a batch runs through the default
+    /// [`handle_batch`](crate::EventHandler::handle_batch), each call of
+    /// `handle` sees its own message here. `None` in application code, and
+    /// in an overridden `handle_batch`, which handles every message of the
+    /// batch at once (see [`contexts`](Self::contexts)).
     pub fn context(&self) -> Option<&MessageContext> {
-        match self.state.contexts.as_slice() {
-            [one] => Some(one),
-            _ => None,
+        match (self.state.focus, self.state.contexts.as_slice()) {
+            (Some(i), contexts) => contexts.get(i),
+            (None, [one]) => Some(one),
+            (None, _) => None,
         }
     }
 
     /// The messages being handled, in the order of the events a handler
     /// was given (one in `handle`, the batch's in `handle_batch`).
     pub fn contexts(&self) -> &[MessageContext] {
-        &self.state.contexts
+        match self.state.focus {
+            Some(i) => self.state.contexts.get(i..=i).unwrap_or_default(),
+            None => &self.state.contexts,
+        }
     }
 
     /// Tells the unit of work which messages its handlers handle now (the
     /// runtime does, before the handlers run).
     pub(crate) fn set_contexts(&mut self, contexts: Vec<MessageContext>) {
         self.state.contexts = contexts;
+        self.state.focus = None;
+    }
+
+    /// Makes the `index`th of the batch's messages the one being handled
+    /// (`Some`), or the whole batch again (`None`): the default
+    /// `handle_batch` does, around each call of `handle`.
+    pub(crate) fn focus(&mut self, index: Option<usize>) {
+        self.state.focus = index;
+    }
+
+    /// The message a follow-up staged now is caused by: the one being
+    /// handled, if any. In a whole batch, which one is not known, and a
+    /// follow-up without its cause's ids would break its flow's
+    /// correlation without a word: refused, naming the way to say it.
+    fn cause(&self) -> Result<Option<&MessageContext>> {
+        match self.context() {
+            Some(cause) => Ok(Some(cause)),
+            None if self.state.contexts.is_empty() => Ok(None),
+            None => Err(Error::new(
+                crate::ErrorKind::Usage,
+                format!(
+                    "`publish` in `handle_batch` of a batch of {} messages: which message the follow-up \
+                     is caused by is unknown; stage it with `publish_caused_by(&uow.contexts()[i], ..)`",
+                    self.state.contexts.len()
+                ),
+            )),
+        }
     }
 
     /// Stages `message` for publishing with `routing_key`, as a row of
@@ -288,16 +338,20 @@ impl UnitOfWork {
     /// Fails on a unit of work without an outbox (the in-process provider):
     /// nothing would dispatch the row.
     ///
-    /// Staged while one message is handled ([`context`](Self::context)),
-    /// the follow-up carries its `correlation_id` (or its id, for the first
-    /// of a flow) and its id as `causation_id`; in a batch, use
-    /// [`publish_caused_by`](Self::publish_caused_by).
+    /// Staged while a message is handled ([`context`](Self::context): in
+    /// `handle`, whatever the batch size), the follow-up carries its
+    /// `correlation_id` (or its id, for the first of a flow), its id as
+    /// `causation_id` and its trace (on MassTransit's wire, its conversation
+    /// and initiator ids too). In an overridden `handle_batch`, which
+    /// handles several messages at once, it fails with a usage error: name
+    /// the cause with [`publish_caused_by`](Self::publish_caused_by).
     pub async fn publish<E: IntegrationEvent>(
         &mut self,
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let outgoing = outgoing(self.state.outbox.as_ref(), self.context(), routing_key, message)?;
+        let cause = self.cause()?;
+        let outgoing = outgoing(self.state.outbox.as_ref(), cause, routing_key, message)?;
         self.state.outgoing.push(outgoing);
         Ok(())
     }
@@ -407,7 +461,10 @@ impl UnitOfWork {
     /// request when its future is first polled. The probe is prepared once
     /// per connection; after that, no round trip.
     async fn probe_then_commit(&self) -> Result<(PgResult<u64>, PgResult<()>)> {
-        let probe = self.client().prepare_cached(PROBE).await.map_err(Error::client)?;
+        let probe = match self.prepare(PROBE).await? {
+            Prepared::Statement(probe) => probe,
+            Prepared::Aborted(e) => return Ok(self.end_aborted(e).await),
+        };
         Ok(futures_util::future::join(
             self.client().execute(&probe, &[]),
             self.client().batch_execute(COMMIT),
@@ -424,14 +481,16 @@ impl UnitOfWork {
         // The last chunk (nearly always the only one) goes with the COMMIT;
         // any before it, one round trip each. Each statement is prepared
         // once per connection; after that, no round trip.
-        let probe = self.client().prepare_cached(PROBE).await.map_err(Error::client)?;
+        let probe = match self.prepare(PROBE).await? {
+            Prepared::Statement(probe) => probe,
+            Prepared::Aborted(e) => return Ok(self.end_aborted(e).await),
+        };
         let mut last = None;
         for (i, chunk) in chunks.iter().enumerate() {
-            let insert = self
-                .client()
-                .prepare_cached(chunk.sql())
-                .await
-                .map_err(Error::client)?;
+            let insert = match self.prepare(chunk.sql()).await? {
+                Prepared::Statement(insert) => insert,
+                Prepared::Aborted(e) => return Ok(self.end_aborted(e).await),
+            };
             if i + 1 < chunks.len() {
                 self.client()
                     .execute(&insert, &chunk.params())
@@ -465,10 +524,31 @@ impl UnitOfWork {
         Ok((probed, committed))
     }
 
+    /// `sql` prepared once per connection, for [`commit`](Self::commit). A
+    /// statement not prepared yet on this connection is prepared inside
+    /// the transaction, which fails there (25P02) if a handler went on
+    /// after a failed statement: that is the transaction's state, not the
+    /// connection's, and the commit says so ([`Prepared::Aborted`]) instead
+    /// of failing as a database error that discards the connection.
+    async fn prepare(&self, sql: &str) -> Result<Prepared> {
+        match self.client().prepare_cached(sql).await {
+            Ok(statement) => Ok(Prepared::Statement(statement)),
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Ok(Prepared::Aborted(e)),
+            Err(e) => Err(Error::client(e)),
+        }
+    }
+
+    /// What the probe and `COMMIT` come to in a transaction found aborted
+    /// (`failed`) before they were sent: the probe's failure, and the
+    /// transaction rolled back, keeping the connection.
+    async fn end_aborted(&self, failed: tokio_postgres::Error) -> (PgResult<u64>, PgResult<()>) {
+        (Err(failed), self.client().batch_execute(ROLLBACK).await)
+    }
+
     /// Rolls back, keeping the connection for reuse when that succeeds.
     pub async fn rollback(mut self) -> Result<()> {
         self.client()
-            .batch_execute("ROLLBACK")
+            .batch_execute(ROLLBACK)
             .await
             .map_err(Error::client)?;
         self.state.finished = true;

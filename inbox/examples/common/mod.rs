@@ -188,7 +188,8 @@ impl IntegrationEvent for CheckinRecorded {
 }
 
 /// Stages one `CheckinRecorded` per check-in, to `queue`, in the message's
-/// transaction: it leaves only if the check-in's effects commit. (With
+/// transaction: it leaves only if the check-in's effects commit, with the
+/// check-in's correlation and causation ids. (With
 /// MassTransit's wire it goes to the type's exchange; `queue` is bound
 /// there.)
 pub(crate) struct ForwardCheckins {
@@ -202,15 +203,9 @@ impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
             .await?;
         Ok(())
     }
-
-    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let sources = uow.contexts().to_vec();
-        for (event, source) in events.iter().zip(&sources) {
-            let recorded = inbox::Message::new(event.recorded(source.message_id));
-            uow.publish_caused_by(source, &self.queue, &recorded).await?;
-        }
-        Ok(())
-    }
+    // No `handle_batch`: one row staged per check-in either way, and the
+    // default runs `handle` with each message as `uow.context()`, whose ids
+    // `publish` stamps on its follow-up.
 }
 
 /// Counts attendees per session.

@@ -6,7 +6,10 @@
 //! commit. If the handlers fail, the transaction is rolled back, the batch
 //! claimed again in a new one, and each message run alone after a
 //! savepoint of its own: a failing message is undone alone and takes its
-//! failure path by itself, the others commit.
+//! failure path by itself, the others commit. A panic takes the
+//! transaction with its connection: the message that panicked (found by
+//! running each alone) is charged with it, and the others are claimed
+//! again in a new transaction, uncharged.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -29,9 +32,22 @@ enum WholeBatch {
     /// Something failed and the transaction can be rolled back: run the
     /// messages one at a time.
     Failed(UnitOfWork),
-    /// The transaction is lost (a handler panicked, its actor vanished):
-    /// every message starts over.
+    /// A handler panicked, which message's is unknown, and the transaction
+    /// went with the connection: run the messages one at a time.
+    Panicked,
+    /// The transaction is lost for a reason of the runtime's (a route
+    /// vanished): every message starts over.
     Lost(Abandoned),
+}
+
+/// How a run of the claimed messages one at a time ended.
+enum EachAlone {
+    /// Every message has its outcome: the unit of work to commit.
+    Done(UnitOfWork),
+    /// A message panicked: it has its failure, and the transaction went
+    /// with the connection, so those that were to complete in it are
+    /// undecided again.
+    Panicked,
 }
 
 impl Work {
@@ -111,7 +127,8 @@ impl Work {
     ) -> Result<UnitOfWork, Abandoned> {
         // The claim may run outside the lane: it locks only inbox rows,
         // which no handler waits for.
-        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
+        let everyone: Vec<usize> = (0..members.len()).collect();
+        let (uow, claimed) = self.claim(members, keys, &everyone, outcomes).await?;
         if claimed.is_empty() {
             return Ok(uow);
         }
@@ -130,45 +147,76 @@ impl Work {
                 }
                 return Ok(uow);
             }
-            WholeBatch::Failed(failed) => failed,
+            WholeBatch::Failed(failed) => Some(failed),
+            WholeBatch::Panicked => None,
             WholeBatch::Lost(abandoned) => return Err(abandoned),
         };
-        // Undone whole, claims included, and claimed again in a new
-        // transaction (meanwhile another batch may have completed a member:
-        // it is a duplicate now), then one message at a time. The turn is
-        // given back for the claim, as for the first: a batch of this queue
-        // that claimed a copy of a member while the claims were undone
-        // holds its row and waits for the turn, and would wait until
+        // Undone whole, claims included (a panic took the transaction with
+        // its connection), and claimed again in a new transaction
+        // (meanwhile another batch may have completed a member: it is a
+        // duplicate now), then one message at a time. The turn is given
+        // back for the claim, as for the first: a batch of this queue that
+        // claimed a copy of a member while the claims were undone holds its
+        // row and waits for the turn, and would wait until
         // `database.lock_timeout` for a claim made while holding it.
         self.stats.add(Tally::BatchesSplit);
         drop(running);
-        roll_back(failed).await?;
-        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
-        let _running = take_turn(lane).await?;
-        self.run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
-            .await
+        if let Some(failed) = failed {
+            roll_back(failed).await?;
+        }
+        // A panic alone costs a transaction: the message that panicked has
+        // its failure, and the others are claimed again and go on. Each
+        // round decides one more message, so this ends.
+        loop {
+            let undecided: Vec<usize> = (0..members.len())
+                .filter(|&position| outcomes[members[position]].is_none())
+                .collect();
+            let (uow, claimed) = self.claim(members, keys, &undecided, outcomes).await?;
+            let _running = take_turn(lane).await?;
+            match self
+                .run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
+                .await?
+            {
+                EachAlone::Done(uow) => return Ok(uow),
+                EachAlone::Panicked => {
+                    for &i in members {
+                        if outcomes[i] == Some(Outcome::Completed) {
+                            outcomes[i] = None;
+                        }
+                    }
+                }
+            }
+        }
     }
 
-    /// Opens the batch's unit of work and claims its members in one
-    /// statement; writes `Duplicate` for those already processed. Returns
-    /// the unit of work and the positions (in `members` and `keys`) of the
-    /// messages to process.
+    /// Opens the batch's unit of work and claims the members at
+    /// `positions` (in `members` and `keys`) in one statement; writes
+    /// `Duplicate` for those already processed. Returns the unit of work
+    /// and the positions of the messages to process.
     async fn claim(
         &self,
         members: &[usize],
         keys: &[InboxKey],
+        positions: &[usize],
         outcomes: &mut [Option<Outcome>],
     ) -> Result<(UnitOfWork, Vec<usize>), Abandoned> {
+        let some: Vec<InboxKey>;
+        let wanted = if positions.len() == keys.len() {
+            keys
+        } else {
+            some = positions.iter().map(|&p| keys[p].clone()).collect();
+            &some
+        };
         let mut uow = self.begin().await?;
         let claiming = std::time::Instant::now();
-        let claims = self.store.try_begin_batch(&mut uow, keys).await;
+        let claims = self.store.try_begin_batch(&mut uow, wanted).await;
         self.claim_wait.record(claiming.elapsed().as_secs_f64());
         let claims = match claims {
             Ok(claims) => claims,
             Err(e) => return Err(give_up(uow, Stage::InboxClaim, &e).await),
         };
-        let mut claimed = Vec::with_capacity(members.len());
-        for (position, claim) in claims.into_iter().enumerate() {
+        let mut claimed = Vec::with_capacity(positions.len());
+        for (&position, claim) in positions.iter().zip(claims) {
             match claim {
                 Claim::Proceed => claimed.push(position),
                 Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
@@ -179,7 +227,8 @@ impl Work {
 
     /// After the whole batch failed: runs each claimed message alone, after
     /// a savepoint of its own, so that a failing one is undone alone and
-    /// the others commit. Fills in each one's outcome.
+    /// the others commit. Fills in each one's outcome; stops at a panic,
+    /// which only the message that panicked is charged for.
     async fn run_each_alone(
         &self,
         envelopes: &[Arc<Envelope>],
@@ -188,7 +237,7 @@ impl Work {
         claimed: &[usize],
         outcomes: &mut [Option<Outcome>],
         mut uow: UnitOfWork,
-    ) -> Result<UnitOfWork, Abandoned> {
+    ) -> Result<EachAlone, Abandoned> {
         for &position in claimed {
             let (i, key) = (members[position], &keys[position]);
             let envelope = Arc::clone(&envelopes[i]);
@@ -216,13 +265,10 @@ impl Work {
                     failure.into()
                 }
                 // A panic took the connection with it: this message has its
-                // failure, the others start over.
+                // failure, the others start over, uncharged.
                 Handled::Failed { uow: None, failure } => {
                     outcomes[i] = Some(failure.into());
-                    return Err(Abandoned::new(
-                        Stage::Batch,
-                        "another message of the batch panicked",
-                    ));
+                    return Ok(EachAlone::Panicked);
                 }
             };
             // This message alone is undone; the batch goes on.
@@ -235,7 +281,7 @@ impl Work {
             }
             outcomes[i] = Some(failure);
         }
-        Ok(uow)
+        Ok(EachAlone::Done(uow))
     }
 
     /// Runs the handlers on the claimed messages all at once (their
@@ -277,10 +323,15 @@ impl Work {
                     return WholeBatch::Failed(failed);
                 }
                 // A panic took the connection with it, and which message
-                // caused it is unknown: each starts over on its own.
+                // caused it is unknown: each runs alone, and the one that
+                // panics again is the one charged.
                 Handled::Failed { uow: None, failure } => {
-                    let reason = format!("a handler panicked on the batch: {failure:?}");
-                    return WholeBatch::Lost(Abandoned::new(Stage::Batch, reason));
+                    tracing::debug!(
+                        size,
+                        ?failure,
+                        "a handler panicked on the batch; running its messages one at a time"
+                    );
+                    return WholeBatch::Panicked;
                 }
             }
         }

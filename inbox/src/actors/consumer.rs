@@ -195,7 +195,7 @@ impl ConsumerActor {
             window: Arc::default(),
             dialect: Dialect::of(settings, queue, link.handled.clone()),
             counts_redeliveries: !link.broker_limits_deliveries,
-            delivery_limit: queue.delivery_limit,
+            delivery_limit: link.delivery_limit,
         };
         let size = usize::from(queue.batch_limit());
         Self {
@@ -520,6 +520,7 @@ impl ConsumerActor {
                 forwarder: link.forwarder,
                 window: Arc::default(),
                 counts_redeliveries: !link.broker_limits_deliveries,
+                delivery_limit: link.delivery_limit,
                 ..(*actor.settler).clone()
             };
             actor.settler = Arc::new(settler);

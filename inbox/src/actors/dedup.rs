@@ -83,6 +83,17 @@ pub(crate) struct CountRedelivery {
     pub(crate) message_id: uuid::Uuid,
 }
 
+/// Forget the deliveries counted for a message that has left the queue
+/// (see `deliveries`).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Abandoned>")]
+pub(crate) struct ForgetDeliveries {
+    /// The consumer id: the first half of the key.
+    pub(crate) consumer: Arc<str>,
+    /// The message.
+    pub(crate) message_id: uuid::Uuid,
+}
+
 /// The handlers' routes, by event type name.
 pub(crate) type Routes = HashMap<String, Route>;
 
@@ -237,6 +248,21 @@ impl actix::Handler<CountRedelivery> for DedupActor {
         Box::pin(async move {
             let counting = crate::deliveries::count_redelivery(&pool, &msg.consumer, msg.message_id);
             within_timeout(timeout, counting)
+                .await?
+                .map_err(|e| Abandoned::database(Stage::DeliveryLimit, &e))
+        })
+    }
+}
+
+impl actix::Handler<ForgetDeliveries> for DedupActor {
+    type Result = ResponseFuture<Result<(), Abandoned>>;
+
+    fn handle(&mut self, msg: ForgetDeliveries, _ctx: &mut Context<Self>) -> Self::Result {
+        let pool = self.pool.clone();
+        let timeout = self.transaction_timeout;
+        Box::pin(async move {
+            let forgetting = crate::deliveries::forget(&pool, &msg.consumer, msg.message_id);
+            within_timeout(timeout, forgetting)
                 .await?
                 .map_err(|e| Abandoned::database(Stage::DeliveryLimit, &e))
         })

@@ -341,9 +341,14 @@ async fn run_handlers<E: IntegrationEvent>(
     uow.set_contexts(envelopes.iter().map(MessageContext::of).collect());
     for handler in handlers.iter() {
         let name = handler.name();
-        let handled = match events.as_slice() {
-            [event] => handler.handle(event, &mut uow),
-            events => handler.handle_batch(events, &mut uow),
+        // Called inside the future that `catch_unwind` polls: a `handle`
+        // written by hand can panic before it returns its future, and that
+        // is the handler's panic as much as one inside it.
+        let handled = async {
+            match events.as_slice() {
+                [event] => handler.handle(event, &mut uow).await,
+                events => handler.handle_batch(events, &mut uow).await,
+            }
         };
         match AssertUnwindSafe(handled).catch_unwind().await {
             Ok(Ok(())) => {}

@@ -31,6 +31,9 @@ pub(crate) struct Link {
     /// Whether the broker sets aside a message redelivered past the
     /// queue's delivery limit; if not, the runtime does.
     pub(crate) broker_limits_deliveries: bool,
+    /// Where it does not, the delivery number on which the runtime sets a
+    /// message aside (see `Declared::delivery_limit`).
+    pub(crate) delivery_limit: u32,
 }
 
 impl Link {
@@ -70,6 +73,7 @@ impl Link {
             forwarder,
             handled,
             broker_limits_deliveries: declared.broker_limits_deliveries,
+            delivery_limit: declared.delivery_limit(queue.delivery_limit),
         })
     }
 

@@ -663,10 +663,19 @@ fn say_what_guards(queue: &crate::QueueSettings, wire: crate::Wire, declared: &c
         return;
     }
     let error_queue = wire.error_queue(&queue.name);
+    let limit = declared.delivery_limit(queue.delivery_limit);
+    let which = if limit < queue.delivery_limit {
+        format!(
+            "RabbitMQ 4's default limit for a quorum queue, below queues[].delivery_limit ({}), so that the \
+             runtime sets the message aside before the broker drops it",
+            queue.delivery_limit
+        )
+    } else {
+        "queues[].delivery_limit".to_owned()
+    };
     let instead = format!(
         "the runtime counts the deliveries the broker marks redelivered and moves a message to {error_queue} \
-         on its delivery number {} (queues[].delivery_limit) without running its handlers",
-        queue.delivery_limit
+         on its delivery number {limit} ({which}) without running its handlers"
     );
     match declared.adopted {
         Some(adopted) => tracing::warn!(

@@ -25,7 +25,7 @@ use tracing::Instrument;
 use crate::Wire;
 use crate::actors::acks::{AckWindow, Ticket};
 use crate::actors::availability::DatabaseGate;
-use crate::actors::dedup::{CountRedelivery, DedupActor, Deliver, DeliverBatch};
+use crate::actors::dedup::{CountRedelivery, DedupActor, Deliver, DeliverBatch, ForgetDeliveries};
 use crate::actors::handler::HandledTypes;
 use crate::actors::metrics::QueueMetrics;
 use crate::actors::stats::Stats;
@@ -653,6 +653,9 @@ impl Settler {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
                 self.count(counter);
+                if let Some(envelope) = envelope {
+                    self.forget_deliveries(envelope).await;
+                }
                 // A notification, after the message is settled: a slow or
                 // failed fault holds up no ack.
                 if let Some(envelope) = envelope
@@ -673,6 +676,32 @@ impl Settler {
                 check_settled(result, "nack", &self.stats);
             }
         }
+    }
+
+    /// On a queue whose deliveries the runtime counts, forgets those of a
+    /// message that has just left it: a copy that comes back (from a retry
+    /// tier, or replayed) starts with its deliveries unspent, as on a
+    /// quorum queue. After the ack, so that a failure here costs the
+    /// message nothing but an early count, said in a WARN.
+    async fn forget_deliveries(&self, envelope: &Envelope) {
+        if !self.counts_redeliveries {
+            return;
+        }
+        let forget = ForgetDeliveries {
+            consumer: Arc::clone(&self.consumer),
+            message_id: envelope.message_id,
+        };
+        let reason = match self.dedup.send(forget).await {
+            Ok(Ok(())) => return,
+            Ok(Err(abandoned)) => abandoned.reason,
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(
+            message_id = %envelope.message_id,
+            %reason,
+            "cannot forget the deliveries counted for a message that left the queue; a copy that comes back \
+             starts with them spent"
+        );
     }
 
     /// Publishes MassTransit's `Fault<T>` for a message now in `Q_error`, as

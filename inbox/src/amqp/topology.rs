@@ -45,6 +45,30 @@ pub struct Declared {
     pub adopted: Option<Adopted>,
 }
 
+/// The delivery limit RabbitMQ 4.0 to 4.2 give a quorum queue declared
+/// without `x-delivery-limit`: past it, a message is dead-lettered, or,
+/// with no dead-letter exchange (as MassTransit declares its queues),
+/// dropped. RabbitMQ 3.x has no default; a policy may set a lower one,
+/// which AMQP gives no way to read.
+pub(crate) const RABBITMQ_4_QUORUM_DELIVERY_LIMIT: u32 = 20;
+
+impl Declared {
+    /// The delivery number on which the runtime sets a message aside
+    /// itself, when the broker does not ([`broker_limits_deliveries`]
+    /// false): `configured` (`queues[].delivery_limit`), but never past the
+    /// limit the broker may apply to the queue without dead-lettering, so
+    /// that the runtime sets a crash-looping message aside before the
+    /// broker drops it.
+    ///
+    /// [`broker_limits_deliveries`]: Self::broker_limits_deliveries
+    pub fn delivery_limit(&self, configured: u32) -> u32 {
+        match self.adopted.and_then(Adopted::broker_delivery_limit) {
+            Some(broker) => configured.min(broker),
+            None => configured,
+        }
+    }
+}
+
 /// An existing `Q` with arguments of another client's, as far as the
 /// runtime can tell them (AMQP has no way to read a queue's arguments: the
 /// runtime tries declaring it as MassTransit 8.5 would).
@@ -74,6 +98,16 @@ impl Adopted {
         }
     }
 
+    /// The delivery limit the broker may apply to such a queue without
+    /// dead-lettering: RabbitMQ 4's default for a quorum queue (which an
+    /// unknown queue may be); none for a classic queue, on any version.
+    fn broker_delivery_limit(self) -> Option<u32> {
+        match self {
+            Adopted::Classic => None,
+            Adopted::Quorum | Adopted::Other => Some(RABBITMQ_4_QUORUM_DELIVERY_LIMIT),
+        }
+    }
+
     /// What the queue's kind leaves unguarded, for the start's log.
     pub fn describe(self) -> &'static str {
         match self {
@@ -88,7 +122,8 @@ impl Adopted {
             }
             Adopted::Other => {
                 "a queue with arguments the runtime does not know: whether the broker limits a message's \
-                 deliveries is unknown"
+                 deliveries is unknown (a quorum queue on RabbitMQ 4.x without its own limit drops a \
+                 message after 20 deliveries)"
             }
         }
     }

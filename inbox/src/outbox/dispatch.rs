@@ -2,20 +2,30 @@
 //! and draining, rounds pipelined while they come back full.
 //!
 //! No transaction stays open across a publish: a round claims its rows by
-//! leasing them (their `next_attempt_at` moved past the publish, in a short
-//! transaction of its own), renews the lease while the broker takes its
-//! time (an alarm can hold a confirm for minutes), and settles in another
-//! short transaction. A transaction held open across a publish would be
-//! ended by the server's `idle_in_transaction_session_timeout` during an
-//! alarm, its confirmed rows' delete lost and the rows sent again, and it
-//! would hold back vacuum meanwhile.
+//! leasing them (their `next_attempt_at` moved past the publish, and a
+//! token of the round's written in `lease`, in a short transaction of its
+//! own), and settles in another short transaction. A transaction held open
+//! across a publish would be ended by the server's
+//! `idle_in_transaction_session_timeout` during an alarm, its confirmed
+//! rows' delete lost and the rows sent again, and it would hold back vacuum
+//! meanwhile.
+//!
+//! Every lease a dispatcher holds is renewed while it holds it
+//! ([`Leases`]): the round publishing, and, while a drain pipelines them,
+//! the round claimed after it and the one settling before it, however long
+//! the broker takes (an alarm can hold a confirm for minutes). A renewal
+//! matches the round's token, not the lease's end it last wrote, so one
+//! whose answer was lost after its `UPDATE` committed leaves nothing out of
+//! date.
 
+use std::future::Future;
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
+use uuid::Uuid;
 
 use crate::Error;
 use crate::backoff::Backoff;
@@ -71,9 +81,14 @@ pub async fn dispatch(
     settings: &OutboxSettings,
     after: i64,
 ) -> Result<DispatchReport> {
-    let round = Round::claim(pool, settings, after).await?;
-    let results = round.publish(pool, sink, settings).await;
-    round.settle(pool, results, settings).await
+    let leases = Leases::default();
+    leases
+        .kept_during(pool, settings, async {
+            let round = Round::claim(pool, settings, after, &leases).await?;
+            let results = round.send_all(sink).await;
+            round.settle(pool, results, settings, &leases).await
+        })
+        .await
 }
 
 /// Dispatches rounds ([`dispatch`]) from the start of the table until one
@@ -91,38 +106,57 @@ pub(crate) async fn drain(
     pool: &Pool,
     sink: &dyn Sink,
     settings: &OutboxSettings,
+    go_on: impl FnMut(&DispatchReport) -> bool,
+) -> Result<()> {
+    let leases = Leases::default();
+    leases
+        .kept_during(
+            pool,
+            settings,
+            drain_holding(pool, sink, settings, go_on, &leases),
+        )
+        .await
+}
+
+/// [`drain`], its rounds' leases held in `leases`.
+async fn drain_holding(
+    pool: &Pool,
+    sink: &dyn Sink,
+    settings: &OutboxSettings,
     mut go_on: impl FnMut(&DispatchReport) -> bool,
+    leases: &Leases,
 ) -> Result<()> {
     if pool.status().max_size < 2 {
         let mut after = 0;
         loop {
-            let report = dispatch(pool, sink, settings, after).await?;
+            let round = Round::claim(pool, settings, after, leases).await?;
+            let results = round.send_all(sink).await;
+            let report = round.settle(pool, results, settings, leases).await?;
             if !go_on(&report) || !report.is_full(settings) {
                 return Ok(());
             }
             after = report.last_seq.unwrap_or(after);
         }
     }
-    let mut current = Round::claim(pool, settings, 0).await?;
+    let mut current = Round::claim(pool, settings, 0, leases).await?;
     let mut previous: Option<(Round, Vec<Result<()>>)> = None;
     loop {
         let claim_next = current.is_full(settings);
         let after = current.last_seq().unwrap_or(0);
         let previous_round = previous.take();
-        let (results, (settled, next)) =
-            futures_util::future::join(current.publish(pool, sink, settings), async {
-                let settled = match previous_round {
-                    Some((round, results)) => Some(round.settle(pool, results, settings).await),
-                    None => None,
-                };
-                // Not once settling failed: the database is likely away.
-                let next = match (&settled, claim_next) {
-                    (Some(Err(_)), _) | (_, false) => None,
-                    _ => Some(Round::claim(pool, settings, after).await),
-                };
-                (settled, next)
-            })
-            .await;
+        let (results, (settled, next)) = futures_util::future::join(current.send_all(sink), async {
+            let settled = match previous_round {
+                Some((round, results)) => Some(round.settle(pool, results, settings, leases).await),
+                None => None,
+            };
+            // Not once settling failed: the database is likely away.
+            let next = match (&settled, claim_next) {
+                (Some(Err(_)), _) | (_, false) => None,
+                _ => Some(Round::claim(pool, settings, after, leases).await),
+            };
+            (settled, next)
+        })
+        .await;
         let stop = match settled {
             Some(Ok(report)) => !go_on(&report),
             // The database is likely away. The round just published, and
@@ -136,15 +170,89 @@ pub(crate) async fn drain(
             // The table is drained, the claim failed, or it is time to
             // stop: settle what was published, then return.
             next => {
-                let report = current.settle(pool, results, settings).await?;
+                let report = current.settle(pool, results, settings, leases).await?;
                 go_on(&report);
                 return match next {
-                    Some(Ok(unpublished)) => unpublished.release(pool).await,
+                    Some(Ok(unpublished)) => unpublished.release(pool, leases).await,
                     Some(Err(e)) => Err(e),
                     None => Ok(()),
                 };
             }
         }
+    }
+}
+
+/// The leases one dispatcher holds: a token per round claimed and not yet
+/// settled or released, with its rows.
+#[derive(Default)]
+struct Leases(Mutex<Vec<(Uuid, Vec<i64>)>>);
+
+impl Leases {
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<(Uuid, Vec<i64>)>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn hold(&self, round: &Round) {
+        if !round.rows.is_empty() {
+            self.held().push((round.lease, round.seqs()));
+        }
+    }
+
+    fn let_go(&self, lease: Uuid) {
+        self.held().retain(|(held, _)| *held != lease);
+    }
+
+    /// Runs `work`, renewing every lease held meanwhile every third of
+    /// `outbox.claim_lease`. A renewal that fails (the database away) is
+    /// tried again at the next; should the lease run out meanwhile, another
+    /// dispatcher may send the rows too, with the same message_ids.
+    async fn kept_during<T>(
+        &self,
+        pool: &Pool,
+        settings: &OutboxSettings,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let work = std::pin::pin!(work);
+        let renewing = std::pin::pin!(async {
+            loop {
+                tokio::time::sleep(settings.claim_lease / 3).await;
+                if let Err(e) = self.renew(pool, settings).await {
+                    tracing::debug!(error = %e, "cannot renew the outbox rounds' leases; trying again");
+                }
+            }
+        });
+        match futures_util::future::select(work, renewing).await {
+            futures_util::future::Either::Left((done, _)) => done,
+            futures_util::future::Either::Right((never, _)) => never,
+        }
+    }
+
+    /// Moves the lease's end `claim_lease` ahead on every row still held
+    /// (a row whose lease ran out and that another dispatcher claimed has
+    /// another token), in one statement.
+    async fn renew(&self, pool: &Pool, settings: &OutboxSettings) -> Result<()> {
+        let (tokens, seqs): (Vec<Uuid>, Vec<i64>) = {
+            let held = self.held();
+            let tokens = held.iter().map(|(lease, _)| *lease).collect();
+            (
+                tokens,
+                held.iter().flat_map(|(_, seqs)| seqs.iter().copied()).collect(),
+            )
+        };
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        pool.get()
+            .await
+            .map_err(Error::client)?
+            .execute(
+                "UPDATE outbox_messages SET next_attempt_at = now() + $3 * interval '1 millisecond'
+                 WHERE seq = ANY($1) AND lease = ANY($2)",
+                &[&seqs, &tokens, &millis(settings.claim_lease)],
+            )
+            .await
+            .map_err(Error::client)?;
+        Ok(())
     }
 }
 
@@ -154,10 +262,10 @@ struct Round {
     /// `(seq, attempts)` per row, in the order of `outgoing`.
     rows: Vec<(i64, i32)>,
     outgoing: Vec<Outgoing>,
-    /// The lease's end as the claim (or the last renewal) wrote it into
-    /// every row: the token that says a row is still this round's. A row
-    /// whose lease ran out and that another round claimed has another.
-    leased_until: Mutex<SystemTime>,
+    /// The round's token, written into every row it claimed: what says a
+    /// row is still this round's. A row whose lease ran out and that
+    /// another round claimed has another.
+    lease: Uuid,
 }
 
 /// The settings of a round's short transactions. Losing a commit in a
@@ -183,12 +291,14 @@ async fn round_transaction(pool: &Pool) -> Result<UnitOfWork> {
 }
 
 impl Round {
-    async fn claim(pool: &Pool, settings: &OutboxSettings, after: i64) -> Result<Self> {
+    /// Claims the round's rows, and holds their lease in `leases`.
+    async fn claim(pool: &Pool, settings: &OutboxSettings, after: i64, leases: &Leases) -> Result<Self> {
         let uow = round_transaction(pool).await?;
         let claim = uow
             .client()
             .prepare_cached(
-                "UPDATE outbox_messages o SET next_attempt_at = now() + $3 * interval '1 millisecond'
+                "UPDATE outbox_messages o
+                 SET next_attempt_at = now() + $3 * interval '1 millisecond', lease = $4
                  FROM (SELECT seq FROM outbox_messages
                        WHERE dead_at IS NULL AND next_attempt_at <= now() AND seq > $2
                        ORDER BY seq
@@ -196,13 +306,21 @@ impl Round {
                        FOR UPDATE SKIP LOCKED) due
                  WHERE o.seq = due.seq
                  RETURNING o.seq, o.message_id, o.exchange, o.routing_key, o.message_type,
-                           o.headers::text AS headers, o.body, o.attempts, o.next_attempt_at",
+                           o.headers::text AS headers, o.body, o.attempts",
             )
             .await
             .map_err(Error::client)?;
-        let lease = millis(settings.claim_lease);
+        let lease = Uuid::new_v4();
         let mut claimed = uow
-            .query_then_commit(&claim, &[&i64::from(settings.batch_size), &after, &lease])
+            .query_then_commit(
+                &claim,
+                &[
+                    &i64::from(settings.batch_size),
+                    &after,
+                    &millis(settings.claim_lease),
+                    &lease,
+                ],
+            )
             .await?;
         // RETURNING keeps no order.
         claimed.sort_by_cached_key(|row| row.try_get::<_, i64>("seq").unwrap_or(i64::MAX));
@@ -210,14 +328,11 @@ impl Round {
         // the round with an error that names it, rather than a panic.
         let mut rows = Vec::with_capacity(claimed.len());
         let mut outgoing = Vec::with_capacity(claimed.len());
-        let mut leased_until = SystemTime::UNIX_EPOCH;
         for row in &claimed {
             rows.push((
                 row.try_get("seq").map_err(Error::client)?,
                 row.try_get("attempts").map_err(Error::client)?,
             ));
-            // One now() per transaction: the same for every row.
-            leased_until = row.try_get("next_attempt_at").map_err(Error::client)?;
             let message_id = row.try_get("message_id").map_err(Error::client)?;
             outgoing.push(Outgoing {
                 message_id,
@@ -228,66 +343,36 @@ impl Round {
                 body: row.try_get("body").map_err(Error::client)?,
             });
         }
-        Ok(Self {
+        let round = Self {
             rows,
             outgoing,
-            leased_until: Mutex::new(leased_until),
-        })
+            lease,
+        };
+        leases.hold(&round);
+        Ok(round)
     }
 
     fn seqs(&self) -> Vec<i64> {
         self.rows.iter().map(|&(seq, _)| seq).collect()
     }
 
-    /// The lease's end as last written.
-    fn leased_until(&self) -> SystemTime {
-        *self
-            .leased_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Moves the lease's end `claim_lease` ahead on the rows still this
-    /// round's. One that fails (the database away) is tried again at the
-    /// next renewal; should the lease run out meanwhile, another dispatcher
-    /// may send the rows too, with the same message_ids.
-    async fn renew(&self, pool: &Pool, settings: &OutboxSettings) -> Result<()> {
-        let until = self.leased_until();
-        let renewed = pool
-            .get()
-            .await
-            .map_err(Error::client)?
-            .query(
-                "UPDATE outbox_messages SET next_attempt_at = now() + $3 * interval '1 millisecond'
-                 WHERE seq = ANY($1) AND next_attempt_at = $2
-                 RETURNING next_attempt_at",
-                &[&self.seqs(), &until, &millis(settings.claim_lease)],
-            )
-            .await
-            .map_err(Error::client)?;
-        if let Some(row) = renewed.first() {
-            let until = row.try_get(0).map_err(Error::client)?;
-            *self
-                .leased_until
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()) = until;
-        }
-        Ok(())
-    }
-
     /// Gives the rows back unpublished: due at once again.
-    async fn release(self, pool: &Pool) -> Result<()> {
-        pool.get()
-            .await
-            .map_err(Error::client)?
-            .execute(
-                "UPDATE outbox_messages SET next_attempt_at = now()
-                 WHERE seq = ANY($1) AND next_attempt_at = $2",
-                &[&self.seqs(), &self.leased_until()],
-            )
-            .await
-            .map_err(Error::client)?;
-        Ok(())
+    async fn release(self, pool: &Pool, leases: &Leases) -> Result<()> {
+        let released = async {
+            pool.get()
+                .await
+                .map_err(Error::client)?
+                .execute(
+                    "UPDATE outbox_messages SET next_attempt_at = now(), lease = NULL
+                     WHERE seq = ANY($1) AND lease = $2",
+                    &[&self.seqs(), &self.lease],
+                )
+                .await
+                .map_err(Error::client)
+        }
+        .await;
+        leases.let_go(self.lease);
+        released.map(drop)
     }
 
     fn is_full(&self, settings: &OutboxSettings) -> bool {
@@ -308,25 +393,6 @@ impl Round {
     /// only the one that fails alone is charged an attempt, and the others
     /// leave now (again, for those whose confirm the close cut off: the
     /// same `message_id`, which the receiving inbox skips).
-    ///
-    /// Renews the lease every third of `outbox.claim_lease` until done.
-    async fn publish(&self, pool: &Pool, sink: &dyn Sink, settings: &OutboxSettings) -> Vec<Result<()>> {
-        let publishing = std::pin::pin!(self.send_all(sink));
-        let renewing = std::pin::pin!(async {
-            loop {
-                tokio::time::sleep(settings.claim_lease / 3).await;
-                if let Err(e) = self.renew(pool, settings).await {
-                    tracing::debug!(error = %e, "cannot renew the outbox round's lease; trying again");
-                }
-            }
-        });
-        match futures_util::future::select(publishing, renewing).await {
-            futures_util::future::Either::Left((results, _)) => results,
-            futures_util::future::Either::Right((never, _)) => never,
-        }
-    }
-
-    /// [`publish`](Self::publish) without the lease.
     async fn send_all(&self, sink: &dyn Sink) -> Vec<Result<()>> {
         let mut results = join_all(self.outgoing.iter().map(|message| sink.send(message))).await;
         let closed = |result: &Result<()>| matches!(result, Err(e) if e.is_channel_closed_by_broker() && !e.is_broker_unavailable());
@@ -351,6 +417,22 @@ impl Round {
         pool: &Pool,
         results: Vec<Result<()>>,
         settings: &OutboxSettings,
+        leases: &Leases,
+    ) -> Result<DispatchReport> {
+        let lease = self.lease;
+        let settled = self.settle_rows(pool, results, settings).await;
+        // Settled, or not (the database away): either way no longer held,
+        // and rows left unsettled come due when their lease runs out.
+        leases.let_go(lease);
+        settled
+    }
+
+    /// [`settle`](Self::settle), the rows' part.
+    async fn settle_rows(
+        self,
+        pool: &Pool,
+        results: Vec<Result<()>>,
+        settings: &OutboxSettings,
     ) -> Result<DispatchReport> {
         let mut report = DispatchReport {
             claimed: self.rows.len(),
@@ -358,7 +440,6 @@ impl Round {
             ..DispatchReport::default()
         };
         let uow = round_transaction(pool).await?;
-        let leased_until = self.leased_until();
         let mut confirmed: Vec<i64> = Vec::new();
         let mut unsent: Vec<i64> = Vec::new();
         let mut unreachable = None;
@@ -408,8 +489,8 @@ impl Round {
                      SET attempts = $2, last_error = $3,
                          next_attempt_at = now() + $4 * interval '1 millisecond',
                          dead_at = CASE WHEN $5 THEN now() END
-                     WHERE seq = $1 AND next_attempt_at = $6",
-                    &[&seq, &attempts, &reason, &millis(pause), &dead, &leased_until],
+                     WHERE seq = $1 AND lease = $6",
+                    &[&seq, &attempts, &reason, &millis(pause), &dead, &self.lease],
                 )
                 .await
                 .map_err(Error::client)?;
@@ -417,9 +498,9 @@ impl Round {
         if !unsent.is_empty() {
             uow.client()
                 .execute(
-                    "UPDATE outbox_messages SET next_attempt_at = now()
-                     WHERE seq = ANY($1) AND next_attempt_at = $2",
-                    &[&unsent, &leased_until],
+                    "UPDATE outbox_messages SET next_attempt_at = now(), lease = NULL
+                     WHERE seq = ANY($1) AND lease = $2",
+                    &[&unsent, &self.lease],
                 )
                 .await
                 .map_err(Error::client)?;

@@ -147,7 +147,7 @@ async fn a_failing_message_in_a_batch_is_rolled_back_alone_and_the_others_commit
 }
 
 #[actix_rt::test]
-async fn a_panic_in_a_batch_costs_the_batch_a_retry_and_every_message_still_counts_once() {
+async fn a_panic_in_a_batch_runs_its_messages_alone_and_every_message_still_counts_once() {
     let env = TestEnv::new("batch_panic").await;
     let settings = batching(&env);
     prefill_keys(&settings, 0..16).await;
@@ -167,7 +167,10 @@ async fn a_panic_in_a_batch_costs_the_batch_a_retry_and_every_message_still_coun
     let stats = runtime.stats();
     runtime.shutdown().await;
 
-    assert!(stats.abandoned >= 1, "{stats:?}");
+    // Which message panicked is unknown until each runs alone; key 5 does
+    // not panic a second time, so no message is charged at all.
+    assert!(stats.batches_split >= 1, "{stats:?}");
+    assert_eq!(stats.abandoned, 0, "a message was charged for a panic: {stats:?}");
     let (first, second) = (counts(&env, "counts").await, counts(&env, "second_counts").await);
     assert_eq!(first.len(), 16);
     assert!(

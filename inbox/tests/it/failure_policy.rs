@@ -419,3 +419,92 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
     assert_eq!(env.ready(&inbox::tools::skipped_queue(&env.queue)).await, 0);
     connection.close(200, "done".into()).await.unwrap();
 }
+
+/// Takes the message waiting in `queue` and hands it back to the broker, as
+/// a consumer that crashed on it would: its next delivery is marked
+/// redelivered.
+async fn crash_once_on(queue: &str) {
+    use inbox::tools::lapin::options::{BasicGetOptions, BasicNackOptions};
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let got = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("a message waits");
+    let requeue = BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    };
+    got.delivery.acker.nack(requeue).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+#[actix_rt::test]
+async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_unspent() {
+    let env = TestEnv::new("replay_delivery_limit").await;
+    let mut settings = env.settings();
+    // A classic queue: the runtime counts its deliveries itself.
+    settings.queues[0].kind = inbox::QueueKind::Classic;
+    settings.queues[0].delivery_limit = 3;
+    declare(&settings).await;
+    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let lock_wait = settings.database.migration_lock_timeout;
+    inbox::tools::migrate(&mut pool.get().await.unwrap(), true, &[], lock_wait)
+        .await
+        .unwrap();
+
+    // Delivered twice and crashed on, and once more now: its third
+    // delivery, the limit, is next.
+    let message = Message::new(Counted { key: 1 });
+    let connection = amqp().await;
+    AmqpPublisher::new(&connection, "")
+        .await
+        .unwrap()
+        .publish(&env.queue, &message)
+        .await
+        .unwrap();
+    pool.get()
+        .await
+        .unwrap()
+        .execute(
+            "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, 2)",
+            &[&env.queue, &message.id],
+        )
+        .await
+        .unwrap();
+    crash_once_on(&env.queue).await;
+    let start = || async {
+        Runtime::builder(settings.clone().valid())
+            .handler(Count)
+            .start()
+            .await
+            .unwrap()
+    };
+    let runtime = start().await;
+    wait_until("it is set aside at the limit", || async {
+        env.ready(&error_queue(&env.queue)).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(env.count("counts", 1).await, 0);
+
+    // The cause fixed, it is replayed; a consumer crashes on it once more.
+    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1);
+    crash_once_on(&env.queue).await;
+    let runtime = start().await;
+    wait_until("it is handled, or set aside again", || async {
+        env.count("counts", 1).await == 1 || env.ready(&error_queue(&env.queue)).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    assert_eq!(
+        env.count("counts", 1).await,
+        1,
+        "the replayed message went back to the error queue on its second delivery, its handlers never run"
+    );
+    connection.close(200, "done".into()).await.unwrap();
+}

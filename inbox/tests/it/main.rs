@@ -46,3 +46,5 @@ mod set_aside;
 mod masstransit;
 // TLS to both servers, verified (tests/tls_servers.sh).
 mod tls;
+// A batch's members: each its own context in `handle`; a panic charges its own message only.
+mod batch_members;

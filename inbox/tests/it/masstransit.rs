@@ -1453,3 +1453,116 @@ async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
     assert!(still_without_arguments(&error_queue).await, "used as it is");
     assert!(env.take(&error_queue).await.is_some(), "and the copy is in it");
 }
+
+/// Declares `queue` as MassTransit's `SetQuorumQueue()` does: durable,
+/// `x-queue-type: quorum` and nothing more (no delivery limit, no
+/// dead-lettering), behind a fanout exchange of its name.
+async fn declare_as_masstransit_quorum(queue: &str) {
+    use inbox::tools::lapin::ExchangeKind;
+    use inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+    use inbox::tools::lapin::types::{AMQPValue, FieldTable};
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let mut quorum = FieldTable::default();
+    quorum.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), durable, quorum)
+        .await
+        .unwrap();
+    let fanout = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(queue.into(), ExchangeKind::Fanout, fanout, FieldTable::default())
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.into(),
+            queue.into(),
+            "".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    connection.close(200, "declared".into()).await.unwrap();
+}
+
+#[actix_rt::test]
+async fn on_an_adopted_quorum_queue_a_crash_loop_is_set_aside_before_rabbitmq_4_would_drop_it() {
+    let env = TestEnv::new("mt_quorum_limit").await;
+    declare_as_masstransit_quorum(&env.queue).await;
+    let mut settings = masstransit(&env);
+    // Far above what RabbitMQ 4 lets a quorum queue without its own limit
+    // deliver (20) before it drops the message.
+    settings.queues[0].delivery_limit = 1000;
+
+    // A message the consumers have crashed on 18 times already, and once
+    // more now: its 20th delivery is next.
+    let id = Uuid::now_v7();
+    let body = envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 1}"#);
+    publish_as_masstransit(&env.queue, id, &body).await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let got = channel
+        .basic_get(
+            env.queue.as_str().into(),
+            inbox::tools::lapin::options::BasicGetOptions { no_ack: false },
+        )
+        .await
+        .unwrap()
+        .expect("the message");
+    let requeue = inbox::tools::lapin::options::BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    };
+    got.delivery.acker.nack(requeue).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let mut client = pool.get().await.unwrap();
+    let lock_wait = settings.database.migration_lock_timeout;
+    inbox::tools::migrate(&mut client, true, &[], lock_wait)
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, 19)",
+            &[&env.queue, &id],
+        )
+        .await
+        .unwrap();
+    drop(client);
+
+    let log = crate::support::Captured::default();
+    let capturing = log.install();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .unwrap();
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    wait_until("it is set aside or handled", || async {
+        env.ready(&error_queue).await == 1 || env.count("counts", 1).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    drop(capturing);
+
+    assert_eq!(env.count("counts", 1).await, 0, "its handlers ran on delivery 20");
+    let copy = env.take(&error_queue).await.expect("set aside");
+    assert_eq!(
+        header(&copy, "x-inbox-handler").as_deref(),
+        Some("delivery limit")
+    );
+    let text = log.text();
+    assert!(
+        text.contains("on its delivery number 20 (RabbitMQ 4's default limit"),
+        "the start says which limit applies: {text}"
+    );
+}

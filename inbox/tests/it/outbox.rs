@@ -1019,3 +1019,124 @@ async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
         .await
         .unwrap();
 }
+
+/// Runs `dispatching` while another dispatcher tries, every 100 ms for
+/// `for_how_long`, to claim rows; then lets `held` publish. Returns what
+/// the other dispatcher claimed, and asserts that each row went out once
+/// and the table is empty.
+async fn claimed_by_another_meanwhile(
+    env: &TestEnv,
+    pool: &inbox::tools::deadpool_postgres::Pool,
+    settings: &inbox::Settings,
+    held: &HeldSink,
+    dispatching: impl std::future::Future<Output = inbox::Result<()>>,
+    for_how_long: Duration,
+    rows: usize,
+) {
+    let watching = async {
+        let until = std::time::Instant::now() + for_how_long;
+        let mut other_claims = 0;
+        while std::time::Instant::now() < until {
+            let other = HeldSink {
+                open: std::sync::Arc::new(true.into()),
+                ..HeldSink::default()
+            };
+            let report = inbox::internal::dispatch(pool, &other, &settings.outbox, 0)
+                .await
+                .unwrap();
+            other_claims += report.claimed;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        held.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        other_claims
+    };
+    let (dispatched, other_claims) = futures_util::future::join(dispatching, watching).await;
+    dispatched.expect("the rounds settle after their long publish");
+    assert_eq!(other_claims, 0, "another dispatcher claimed rows this one held");
+    let sent = held.sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), rows, "each row once: {sent:?}");
+    assert_eq!(sent.iter().collect::<HashSet<_>>().len(), rows);
+    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+}
+
+/// A lease of a second and a half: renewed every half second, it holds on
+/// a loaded machine; unrenewed, it lapses well within the test.
+async fn leased_outbox(name: &str, batch_size: u32, rows: i64) -> (TestEnv, inbox::Settings) {
+    let env = TestEnv::new(name).await;
+    let mut settings = env.settings();
+    settings.outbox.claim_lease = Duration::from_millis(1500);
+    settings.outbox.batch_size = batch_size;
+    inbox::internal::run_migrations(&mut env.db().await)
+        .await
+        .unwrap();
+    for key in 0..rows {
+        stage_from_another_session(&env, "nowhere", key).await;
+    }
+    (env, settings)
+}
+
+#[actix_rt::test]
+async fn a_drain_keeps_the_lease_of_the_round_it_claimed_while_another_publishes() {
+    // Two rounds: the second is claimed while the first waits for the
+    // broker, three leases long.
+    let (env, settings) = leased_outbox("outbox_lease_pipelined", 2, 4).await;
+    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let held = HeldSink::default();
+    let draining = inbox::internal::drain_outbox(&pool, &held, &settings.outbox);
+    claimed_by_another_meanwhile(
+        &env,
+        &pool,
+        &settings,
+        &held,
+        draining,
+        Duration::from_millis(4500),
+        4,
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
+    let (env, settings) = leased_outbox("outbox_lease_lost_answer", 100, 3).await;
+    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let held = HeldSink::default();
+    let dispatching = async {
+        inbox::internal::dispatch(&pool, &held, &settings.outbox, 0)
+            .await
+            .map(drop)
+    };
+    let renewed_unseen = async {
+        // Once the round holds its rows, a renewal of theirs commits and
+        // its answer never reaches the round: the rows' lease has moved
+        // on, the round still knows the one it wrote.
+        wait_until("the round claims its rows", || async {
+            env.scalar("SELECT count(*) FROM outbox_messages WHERE next_attempt_at > now()")
+                .await
+                == 3
+        })
+        .await;
+        env.db()
+            .await
+            .execute(
+                "UPDATE outbox_messages SET next_attempt_at = now() + interval '1500 milliseconds'",
+                &[],
+            )
+            .await
+            .unwrap();
+        Ok(())
+    };
+    let dispatching = async {
+        let (dispatched, renewed) = futures_util::future::join(dispatching, renewed_unseen).await;
+        renewed.and(dispatched)
+    };
+    claimed_by_another_meanwhile(
+        &env,
+        &pool,
+        &settings,
+        &held,
+        dispatching,
+        Duration::from_millis(4500),
+        3,
+    )
+    .await;
+}

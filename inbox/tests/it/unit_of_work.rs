@@ -95,16 +95,21 @@ async fn commit_refuses_a_transaction_with_a_failed_statement() {
     let env = TestEnv::new("guard_aborted").await;
     let pool = pool_of_one(&env.settings());
     let uow = begin_with_a_write(&pool, 1).await;
+    let pid = backend_pid(&uow).await;
     // A handler that catches a failed statement and carries on.
     assert!(uow.client().execute("SELECT 1 / 0", &[]).await.is_err());
 
-    // PostgreSQL would answer a bare COMMIT with a silent rollback.
-    assert!(
-        uow.commit().await.is_err(),
-        "commit reported success for a rolled-back transaction"
-    );
-    let (in_transaction, _) = next_connection_state(&pool).await;
+    // PostgreSQL would answer a bare COMMIT with a silent rollback. This is
+    // the connection's first commit: its probe is prepared now, inside the
+    // aborted transaction, and that must still read as what it is.
+    let error = uow
+        .commit()
+        .await
+        .expect_err("commit reported success for a rolled-back transaction");
+    assert_eq!(error.kind(), inbox::ErrorKind::Usage, "{error}");
+    let (in_transaction, next_pid) = next_connection_state(&pool).await;
     assert!(!in_transaction);
+    assert_eq!(next_pid, pid, "a rolled-back transaction cost its connection");
     assert_eq!(env.scalar("SELECT count(*) FROM counts").await, 0);
 }
 
