@@ -419,6 +419,8 @@ impl Round {
         settings: &OutboxSettings,
         leases: &Leases,
     ) -> Result<DispatchReport> {
+        // The rows it reschedules lose the token with the lease, so that a
+        // renewal in flight meanwhile cannot push their next attempt out.
         let lease = self.lease;
         let settled = self.settle_rows(pool, results, settings).await;
         // Settled, or not (the database away): either way no longer held,
@@ -488,7 +490,7 @@ impl Round {
                     "UPDATE outbox_messages
                      SET attempts = $2, last_error = $3,
                          next_attempt_at = now() + $4 * interval '1 millisecond',
-                         dead_at = CASE WHEN $5 THEN now() END
+                         dead_at = CASE WHEN $5 THEN now() END, lease = NULL
                      WHERE seq = $1 AND lease = $6",
                     &[&seq, &attempts, &reason, &millis(pause), &dead, &self.lease],
                 )

@@ -1033,6 +1033,9 @@ async fn claimed_by_another_meanwhile(
     for_how_long: Duration,
     rows: usize,
 ) {
+    // Its own pool, so that the dispatcher under test never waits for one
+    // of its connections.
+    let others = inbox::tools::create_pool(settings).unwrap();
     let watching = async {
         let until = std::time::Instant::now() + for_how_long;
         let mut other_claims = 0;
@@ -1041,7 +1044,7 @@ async fn claimed_by_another_meanwhile(
                 open: std::sync::Arc::new(true.into()),
                 ..HeldSink::default()
             };
-            let report = inbox::internal::dispatch(pool, &other, &settings.outbox, 0)
+            let report = inbox::internal::dispatch(&others, &other, &settings.outbox, 0)
                 .await
                 .unwrap();
             other_claims += report.claimed;
@@ -1059,12 +1062,13 @@ async fn claimed_by_another_meanwhile(
     assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
 }
 
-/// A lease of a second and a half: renewed every half second, it holds on
-/// a loaded machine; unrenewed, it lapses well within the test.
+/// A lease of four seconds: renewed every 1.3 s, it holds on a machine
+/// loaded by the suite's other tests (a renewal can be a second late);
+/// unrenewed, it lapses well within the test's ten seconds.
 async fn leased_outbox(name: &str, batch_size: u32, rows: i64) -> (TestEnv, inbox::Settings) {
     let env = TestEnv::new(name).await;
     let mut settings = env.settings();
-    settings.outbox.claim_lease = Duration::from_millis(1500);
+    settings.outbox.claim_lease = Duration::from_secs(4);
     settings.outbox.batch_size = batch_size;
     inbox::internal::run_migrations(&mut env.db().await)
         .await
@@ -1078,7 +1082,7 @@ async fn leased_outbox(name: &str, batch_size: u32, rows: i64) -> (TestEnv, inbo
 #[actix_rt::test]
 async fn a_drain_keeps_the_lease_of_the_round_it_claimed_while_another_publishes() {
     // Two rounds: the second is claimed while the first waits for the
-    // broker, three leases long.
+    // broker, two and a half leases long.
     let (env, settings) = leased_outbox("outbox_lease_pipelined", 2, 4).await;
     let pool = inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
@@ -1089,7 +1093,7 @@ async fn a_drain_keeps_the_lease_of_the_round_it_claimed_while_another_publishes
         &settings,
         &held,
         draining,
-        Duration::from_millis(4500),
+        Duration::from_secs(10),
         4,
     )
     .await;
@@ -1118,7 +1122,7 @@ async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
         env.db()
             .await
             .execute(
-                "UPDATE outbox_messages SET next_attempt_at = now() + interval '1500 milliseconds'",
+                "UPDATE outbox_messages SET next_attempt_at = now() + interval '4 seconds'",
                 &[],
             )
             .await
@@ -1135,7 +1139,7 @@ async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
         &settings,
         &held,
         dispatching,
-        Duration::from_millis(4500),
+        Duration::from_secs(10),
         3,
     )
     .await;
