@@ -1026,7 +1026,7 @@ async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
 /// and the table is empty.
 async fn claimed_by_another_meanwhile(
     env: &TestEnv,
-    pool: &inbox::tools::deadpool_postgres::Pool,
+    _pool: &inbox::tools::deadpool_postgres::Pool,
     settings: &inbox::Settings,
     held: &HeldSink,
     dispatching: impl std::future::Future<Output = inbox::Result<()>>,
