@@ -127,8 +127,7 @@ impl Work {
     ) -> Result<UnitOfWork, Abandoned> {
         // The claim may run outside the lane: it locks only inbox rows,
         // which no handler waits for.
-        let everyone: Vec<usize> = (0..members.len()).collect();
-        let (uow, claimed) = self.claim(members, keys, &everyone, outcomes).await?;
+        let (uow, claimed) = self.claim(members, keys, outcomes).await?;
         if claimed.is_empty() {
             return Ok(uow);
         }
@@ -168,10 +167,7 @@ impl Work {
         // its failure, and the others are claimed again and go on. Each
         // round decides one more message, so this ends.
         loop {
-            let undecided: Vec<usize> = (0..members.len())
-                .filter(|&position| outcomes[members[position]].is_none())
-                .collect();
-            let (uow, claimed) = self.claim(members, keys, &undecided, outcomes).await?;
+            let (uow, claimed) = self.claim(members, keys, outcomes).await?;
             let _running = take_turn(lane).await?;
             match self
                 .run_each_alone(envelopes, members, keys, &claimed, outcomes, uow)
@@ -189,39 +185,45 @@ impl Work {
         }
     }
 
-    /// Opens the batch's unit of work and claims the members at
-    /// `positions` (in `members` and `keys`) in one statement; writes
-    /// `Duplicate` for those already processed. Returns the unit of work
-    /// and the positions of the messages to process.
+    /// Opens the batch's unit of work and claims, in one statement, the
+    /// members without an outcome yet (all of them but after a panic);
+    /// writes `Duplicate` for those already processed. Returns the unit of
+    /// work and the positions (in `members` and `keys`) of the messages to
+    /// process.
     async fn claim(
         &self,
         members: &[usize],
         keys: &[InboxKey],
-        positions: &[usize],
         outcomes: &mut [Option<Outcome>],
     ) -> Result<(UnitOfWork, Vec<usize>), Abandoned> {
+        let mut claimed: Vec<usize> = (0..members.len())
+            .filter(|&position| outcomes[members[position]].is_none())
+            .collect();
         let some: Vec<InboxKey>;
-        let wanted = if positions.len() == keys.len() {
+        let wanted = if claimed.len() == keys.len() {
             keys
         } else {
-            some = positions.iter().map(|&p| keys[p].clone()).collect();
+            some = claimed.iter().map(|&position| keys[position].clone()).collect();
             &some
         };
         let mut uow = self.begin().await?;
         let claiming = std::time::Instant::now();
         let claims = self.store.try_begin_batch(&mut uow, wanted).await;
         self.claim_wait.record(claiming.elapsed().as_secs_f64());
-        let claims = match claims {
-            Ok(claims) => claims,
+        let mut claims = match claims {
+            Ok(claims) => claims.into_iter(),
             Err(e) => return Err(give_up(uow, Stage::InboxClaim, &e).await),
         };
-        let mut claimed = Vec::with_capacity(positions.len());
-        for (&position, claim) in positions.iter().zip(claims) {
-            match claim {
-                Claim::Proceed => claimed.push(position),
-                Claim::Duplicate => outcomes[members[position]] = Some(Outcome::Duplicate),
+        // A store that answered fewer claims than asked leaves the rest
+        // without an outcome: abandoned, never acked.
+        claimed.retain(|&position| match claims.next() {
+            Some(Claim::Proceed) => true,
+            Some(Claim::Duplicate) => {
+                outcomes[members[position]] = Some(Outcome::Duplicate);
+                false
             }
-        }
+            None => false,
+        });
         Ok((uow, claimed))
     }
 

@@ -29,6 +29,7 @@
 //! on as it was. Messages in flight on the old handlers finish on them.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use actix::prelude::*;
@@ -94,6 +95,8 @@ pub(crate) struct HandlerRoute<E: IntegrationEvent> {
     actor: Addr<HandlerActor<E>>,
     /// `inbox_handler_duration_seconds` of `E`.
     duration: Histogram,
+    /// A handler's usage error has been logged (see [`is_usage_error`]).
+    usage_error_said: AtomicBool,
 }
 
 impl<E: IntegrationEvent> HandlerRoute<E> {
@@ -107,6 +110,7 @@ impl<E: IntegrationEvent> HandlerRoute<E> {
             slot: Arc::new(Slot::new(sources)),
             actor,
             duration: crate::actors::metrics::handler_duration(E::TYPE),
+            usage_error_said: AtomicBool::new(false),
         })
     }
 }
@@ -354,6 +358,15 @@ async fn run_handlers<E: IntegrationEvent>(
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
                 let text = cut_to_reason(crate::error::describe(error.as_ref()));
+                if is_usage_error(error.as_ref()) && !route.usage_error_said.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        handler = name,
+                        r#type = E::TYPE,
+                        error = %text,
+                        "a handler asked the unit of work for what it refuses (said once): each time, its \
+                         message fails, and a batch runs again one message at a time; fix the handler"
+                    );
+                }
                 let failure = if Permanent::is_in(error.as_ref()) {
                     HandlerFailure::Permanent {
                         handler: name,
@@ -385,6 +398,23 @@ async fn run_handlers<E: IntegrationEvent>(
         }
     }
     Handled::Done(uow)
+}
+
+/// Whether a handler's error is the runtime refusing what the handler asked
+/// of it (`publish` in an overridden `handle_batch`, say): a bug to fix,
+/// not a failure of the message's, which only a WARN makes visible when a
+/// split batch then succeeds message by message.
+fn is_usage_error(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if e.downcast_ref::<crate::Error>()
+            .is_some_and(|e| e.kind() == crate::ErrorKind::Usage)
+        {
+            return true;
+        }
+        current = e.source();
+    }
+    false
 }
 
 /// Records the handlers' duration when dropped, whichever way they end.

@@ -653,7 +653,10 @@ impl Settler {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
                 self.count(counter);
-                if let Some(envelope) = envelope {
+                if let Some(envelope) = envelope
+                    && self.counts_redeliveries
+                    && delivery.redelivered
+                {
                     self.forget_deliveries(envelope).await;
                 }
                 // A notification, after the message is settled: a slow or
@@ -678,15 +681,16 @@ impl Settler {
         }
     }
 
-    /// On a queue whose deliveries the runtime counts, forgets those of a
-    /// message that has just left it: a copy that comes back (from a retry
-    /// tier, or replayed) starts with its deliveries unspent, as on a
-    /// quorum queue. After the ack, so that a failure here costs the
-    /// message nothing but an early count, said in a WARN.
+    /// Forgets the deliveries counted for a message that has just left the
+    /// queue: a copy that comes back (from a retry tier, or replayed)
+    /// starts with its deliveries unspent, as on a quorum queue. Called only
+    /// where a count can exist: on a queue whose deliveries the runtime
+    /// counts, for a delivery the broker marked redelivered (a message
+    /// handed back once is marked so at every later delivery, and a first
+    /// delivery counts nothing), so that the moves of messages never handed
+    /// back cost no statement. After the ack, so that a failure here costs
+    /// the message nothing but an early count, said in a WARN.
     async fn forget_deliveries(&self, envelope: &Envelope) {
-        if !self.counts_redeliveries {
-            return;
-        }
         let forget = ForgetDeliveries {
             consumer: Arc::clone(&self.consumer),
             message_id: envelope.message_id,

@@ -83,11 +83,7 @@ pub async fn dispatch(
 ) -> Result<DispatchReport> {
     let leases = Leases::default();
     leases
-        .kept_during(pool, settings, async {
-            let round = Round::claim(pool, settings, after, &leases).await?;
-            let results = round.send_all(sink).await;
-            round.settle(pool, results, settings, &leases).await
-        })
+        .kept_during(pool, settings, Round::run(pool, sink, settings, after, &leases))
         .await
 }
 
@@ -129,9 +125,7 @@ async fn drain_holding(
     if pool.status().max_size < 2 {
         let mut after = 0;
         loop {
-            let round = Round::claim(pool, settings, after, leases).await?;
-            let results = round.send_all(sink).await;
-            let report = round.settle(pool, results, settings, leases).await?;
+            let report = Round::run(pool, sink, settings, after, leases).await?;
             if !go_on(&report) || !report.is_full(settings) {
                 return Ok(());
             }
@@ -291,6 +285,19 @@ async fn round_transaction(pool: &Pool) -> Result<UnitOfWork> {
 }
 
 impl Round {
+    /// A whole round, unpipelined: claim, publish, settle.
+    async fn run(
+        pool: &Pool,
+        sink: &dyn Sink,
+        settings: &OutboxSettings,
+        after: i64,
+        leases: &Leases,
+    ) -> Result<DispatchReport> {
+        let round = Round::claim(pool, settings, after, leases).await?;
+        let results = round.send_all(sink).await;
+        round.settle(pool, results, settings, leases).await
+    }
+
     /// Claims the round's rows, and holds their lease in `leases`.
     async fn claim(pool: &Pool, settings: &OutboxSettings, after: i64, leases: &Leases) -> Result<Self> {
         let uow = round_transaction(pool).await?;

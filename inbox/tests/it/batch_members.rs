@@ -148,6 +148,8 @@ async fn publish_in_an_overridden_handle_batch_is_refused_and_names_the_way() {
     let (env, forward) = with_forward_queue("batch_publish_refused").await;
     let settings = batching(&env);
     prefill_keys(&settings, 0..16).await;
+    let log = crate::support::Captured::default();
+    let capturing = log.install();
     let runtime = Runtime::builder(settings.valid())
         .handler(PublishesInBatch {
             forward: forward.clone(),
@@ -163,12 +165,20 @@ async fn publish_in_an_overridden_handle_batch_is_refused_and_names_the_way() {
     .await;
     let stats = runtime.stats();
     runtime.shutdown().await;
+    drop(capturing);
     assert!(stats.batches_split >= 1, "{stats:?}");
     assert_eq!(stats.completed, 16, "{stats:?}");
     for _ in 0..16 {
         let copy = env.take(&forward).await.unwrap();
         assert!(header(&copy, inbox::internal::CAUSATION_ID).is_some());
     }
+    // Said once, where a user looks, with the way out.
+    let text = log.text();
+    let warned = text
+        .lines()
+        .filter(|line| line.contains("WARN") && line.contains("publish_caused_by"))
+        .count();
+    assert_eq!(warned, 1, "{text}");
 }
 
 /// Panics on every call for `key`; counts every other key. With `early`,
@@ -266,7 +276,6 @@ async fn a_handle_that_panics_before_its_future_is_a_handler_panic() {
     only_the_panicking_message_fails("batch_panic_early", true).await;
 }
 
-/// Counts, for the test of a panic's rebuild: built anew by its factory.
 #[actix_rt::test]
 async fn a_panic_before_the_future_rebuilds_factory_handlers() {
     let env = TestEnv::new("panic_early_factory").await;

@@ -9,7 +9,10 @@ use inbox::tools::AmqpPublisher;
 use inbox::tools::{SetAside, error_queue, retry_queue};
 use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
-use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, header, increment, wait_until};
+use crate::support::{
+    Count, Counted, TestEnv, Valid, amqp, crash_once_on, declare, delivered_before, header, increment,
+    wait_until,
+};
 
 /// Fails while `broken` is set (or for its first `fail_first` calls), and
 /// counts every call; counts like `Count` when it succeeds.
@@ -420,26 +423,6 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
     connection.close(200, "done".into()).await.unwrap();
 }
 
-/// Takes the message waiting in `queue` and hands it back to the broker, as
-/// a consumer that crashed on it would: its next delivery is marked
-/// redelivered.
-async fn crash_once_on(queue: &str) {
-    use inbox::tools::lapin::options::{BasicGetOptions, BasicNackOptions};
-    let connection = amqp().await;
-    let channel = connection.create_channel().await.unwrap();
-    let got = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap()
-        .expect("a message waits");
-    let requeue = BasicNackOptions {
-        requeue: true,
-        ..Default::default()
-    };
-    got.delivery.acker.nack(requeue).await.unwrap();
-    connection.close(200, "done".into()).await.unwrap();
-}
-
 #[actix_rt::test]
 async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_unspent() {
     let env = TestEnv::new("replay_delivery_limit").await;
@@ -448,11 +431,6 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
     settings.queues[0].kind = inbox::QueueKind::Classic;
     settings.queues[0].delivery_limit = 3;
     declare(&settings).await;
-    let pool = inbox::tools::create_pool(&settings).unwrap();
-    let lock_wait = settings.database.migration_lock_timeout;
-    inbox::tools::migrate(&mut pool.get().await.unwrap(), true, &[], lock_wait)
-        .await
-        .unwrap();
 
     // Delivered twice and crashed on, and once more now: its third
     // delivery, the limit, is next.
@@ -464,15 +442,7 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
         .publish(&env.queue, &message)
         .await
         .unwrap();
-    pool.get()
-        .await
-        .unwrap()
-        .execute(
-            "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, 2)",
-            &[&env.queue, &message.id],
-        )
-        .await
-        .unwrap();
+    delivered_before(&settings, message.id, 2).await;
     crash_once_on(&env.queue).await;
     let start = || async {
         Runtime::builder(settings.clone().valid())

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::support::{
-    TestEnv, Valid, amqp, consumes, header, increment, publish_to, start_service, wait_until,
+    TestEnv, Valid, amqp, consumes, crash_once_on, delivered_before, header, increment, publish_to,
+    start_service, wait_until,
 };
 
 /// The test event as a MassTransit contract names it.
@@ -532,6 +533,94 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     connection.close(200, "done".into()).await.unwrap();
 }
 
+/// [`Recorded`] under a type of its own, so that its exchange is this
+/// test's alone (exchanges of a type are shared by every queue of it).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+struct RecordedInBatch(Recorded);
+
+impl IntegrationEvent for RecordedInBatch {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:RecordedInBatch";
+}
+
+/// [`Forward`], staging [`RecordedInBatch`]: written for one message, as
+/// README shows, and run in batches.
+struct ForwardInBatch;
+
+impl EventHandler<Counted> for ForwardInBatch {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let source_message_id = uow.context().map(|c| c.message_id).unwrap_or_default();
+        let recorded = RecordedInBatch(Recorded {
+            key: event.key,
+            source_message_id,
+        });
+        uow.publish("", &inbox::Message::new(recorded)).await?;
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_initiator() {
+    let mut env = TestEnv::new("mt_follow_up_batch").await;
+    let forward = env.another_queue("recorded");
+    let connection = amqp().await;
+    // The follow-ups' consumer, and the endpoint the check-ins wait on, as
+    // the runtime declares it.
+    let settings = masstransit(&env);
+    for (queue, failure, message_type) in [
+        (
+            &inbox::QueueSettings::new(&forward),
+            &Default::default(),
+            RecordedInBatch::TYPE,
+        ),
+        (&settings.queues[0], &settings.failure, Counted::TYPE),
+    ] {
+        inbox::tools::declare_wire_topology(&connection, queue, failure, Wire::Masstransit, &[message_type])
+            .await
+            .unwrap();
+    }
+    connection.close(200, "declared".into()).await.unwrap();
+    // Waiting before the runtime starts, so that batches (8 by default)
+    // form: each of its own conversation.
+    let mut sent = std::collections::HashMap::new();
+    for key in 0..16_i64 {
+        let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
+        let body = envelope(id, conversation, Counted::TYPE, &format!(r#"{{"key": {key}}}"#));
+        publish_as_masstransit(&env.queue, id, &body).await;
+        sent.insert(key, (id, conversation));
+    }
+    let runtime = Runtime::builder(settings.valid())
+        .handler(ForwardInBatch)
+        .start()
+        .await
+        .unwrap();
+    wait_until("16 follow-ups arrive", || async {
+        env.ready(&forward).await == 16
+    })
+    .await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    assert!(stats.batches >= 1, "no batch formed: {stats:?}");
+
+    for _ in 0..16 {
+        let arrived = env.take(&forward).await.expect("a follow-up");
+        let decoded =
+            inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
+        let RecordedInBatch(message) = serde_json::from_slice(&decoded.message).unwrap();
+        let (id, conversation) = sent[&message.key];
+        assert_eq!(message.source_message_id, id, "key {}", message.key);
+        assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+        assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+    }
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(RecordedInBatch::TYPE.into(), Default::default())
+        .await
+        .unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
 #[actix_rt::test]
 async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
     const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
@@ -782,6 +871,16 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
 /// `Q_error` behind its own exchange, as a first fault leaves it. No
 /// `Q_skipped`: MassTransit declares it at the first message it skips.
 async fn declare_as_masstransit(queue: &str, types: &[&str]) {
+    declare_as_masstransit_with(queue, types, Default::default()).await;
+}
+
+/// [`declare_as_masstransit`], `queue` and its `Q_error` declared with
+/// `arguments` (MassTransit copies the queue's to its error queue).
+async fn declare_as_masstransit_with(
+    queue: &str,
+    types: &[&str],
+    arguments: inbox::tools::lapin::types::FieldTable,
+) {
     use inbox::tools::lapin::ExchangeKind;
     use inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
     use inbox::tools::lapin::types::FieldTable;
@@ -798,7 +897,7 @@ async fn declare_as_masstransit(queue: &str, types: &[&str]) {
     let error = Wire::Masstransit.error_queue(queue);
     for name in [queue, error.as_str()] {
         channel
-            .queue_declare(name.into(), durable, FieldTable::default())
+            .queue_declare(name.into(), durable, arguments.clone())
             .await
             .unwrap();
         channel
@@ -1458,40 +1557,10 @@ async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
 /// `x-queue-type: quorum` and nothing more (no delivery limit, no
 /// dead-lettering), behind a fanout exchange of its name.
 async fn declare_as_masstransit_quorum(queue: &str) {
-    use inbox::tools::lapin::ExchangeKind;
-    use inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
     use inbox::tools::lapin::types::{AMQPValue, FieldTable};
-    let connection = amqp().await;
-    let channel = connection.create_channel().await.unwrap();
     let mut quorum = FieldTable::default();
     quorum.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel
-        .queue_declare(queue.into(), durable, quorum)
-        .await
-        .unwrap();
-    let fanout = ExchangeDeclareOptions {
-        durable: true,
-        ..ExchangeDeclareOptions::default()
-    };
-    channel
-        .exchange_declare(queue.into(), ExchangeKind::Fanout, fanout, FieldTable::default())
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.into(),
-            queue.into(),
-            "".into(),
-            Default::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    connection.close(200, "declared".into()).await.unwrap();
+    declare_as_masstransit_with(queue, &[], quorum).await;
 }
 
 #[actix_rt::test]
@@ -1508,36 +1577,8 @@ async fn on_an_adopted_quorum_queue_a_crash_loop_is_set_aside_before_rabbitmq_4_
     let id = Uuid::now_v7();
     let body = envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 1}"#);
     publish_as_masstransit(&env.queue, id, &body).await;
-    let connection = amqp().await;
-    let channel = connection.create_channel().await.unwrap();
-    let got = channel
-        .basic_get(
-            env.queue.as_str().into(),
-            inbox::tools::lapin::options::BasicGetOptions { no_ack: false },
-        )
-        .await
-        .unwrap()
-        .expect("the message");
-    let requeue = inbox::tools::lapin::options::BasicNackOptions {
-        requeue: true,
-        ..Default::default()
-    };
-    got.delivery.acker.nack(requeue).await.unwrap();
-    connection.close(200, "done".into()).await.unwrap();
-    let pool = inbox::tools::create_pool(&settings).unwrap();
-    let mut client = pool.get().await.unwrap();
-    let lock_wait = settings.database.migration_lock_timeout;
-    inbox::tools::migrate(&mut client, true, &[], lock_wait)
-        .await
-        .unwrap();
-    client
-        .execute(
-            "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, 19)",
-            &[&env.queue, &id],
-        )
-        .await
-        .unwrap();
-    drop(client);
+    crash_once_on(&env.queue).await;
+    delivered_before(&settings, id, 19).await;
 
     let log = crate::support::Captured::default();
     let capturing = log.install();

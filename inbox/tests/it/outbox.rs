@@ -928,48 +928,9 @@ async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_el
     let pool = inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
     let dispatching = inbox::internal::dispatch(&pool, &held, &settings.outbox, 0);
-    let watching = async {
-        // Two leases long: the round renews its own. (A claim's own
-        // transaction is idle between its statement and its COMMIT, for
-        // the round trip: not what is looked for.)
-        let until = std::time::Instant::now() + Duration::from_secs(4);
-        let mut other_claims = 0;
-        while std::time::Instant::now() < until {
-            let idle = env
-                .scalar(&format!(
-                    "SELECT count(*) FROM pg_stat_activity
-                     WHERE datname = '{}' AND state LIKE 'idle in transaction%'
-                       AND state_change < now() - interval '300 milliseconds'",
-                    env.database
-                ))
-                .await;
-            assert_eq!(idle, 0, "a transaction is held open across the publish");
-            // Another dispatcher finds nothing to claim meanwhile.
-            let other = HeldSink {
-                open: std::sync::Arc::new(true.into()),
-                ..HeldSink::default()
-            };
-            let report = inbox::internal::dispatch(&pool, &other, &settings.outbox, 0)
-                .await
-                .unwrap();
-            other_claims += report.claimed;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        held.open.store(true, std::sync::atomic::Ordering::SeqCst);
-        other_claims
-    };
-    let (report, other_claims) = futures_util::future::join(dispatching, watching).await;
-    let report = report.expect("the round settles after its long publish");
-
-    assert_eq!(other_claims, 0, "another dispatcher claimed leased rows");
+    // Two leases long: the round renews its own.
+    let report = watched_while_held(&env, &settings, &held, dispatching, Duration::from_secs(4), 3).await;
     assert_eq!((report.claimed, report.dispatched), (3, 3));
-    let sent = held.sent.lock().unwrap().clone();
-    assert_eq!(
-        sent.iter().collect::<HashSet<_>>().len(),
-        3,
-        "each row once: {sent:?}"
-    );
-    assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
 }
 
 /// A schema migrated elsewhere (docs/operations.md, "Outside start-up"): a
@@ -1020,26 +981,36 @@ async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
         .unwrap();
 }
 
-/// Runs `dispatching` while another dispatcher tries, every 100 ms for
-/// `for_how_long`, to claim rows; then lets `held` publish. Returns what
-/// the other dispatcher claimed, and asserts that each row went out once
-/// and the table is empty.
-async fn claimed_by_another_meanwhile(
+/// Runs `dispatching` while `held` holds its publishes, for
+/// `for_how_long`; meanwhile, every 100 ms, another dispatcher (on a pool
+/// of its own) tries to claim rows, and no transaction may sit idle across
+/// the publish. Then lets `held` publish, and checks that the other claimed
+/// nothing, each of the `rows` went out once, and the table is empty.
+/// Returns what `dispatching` returned.
+async fn watched_while_held<T>(
     env: &TestEnv,
-    _pool: &inbox::tools::deadpool_postgres::Pool,
     settings: &inbox::Settings,
     held: &HeldSink,
-    dispatching: impl std::future::Future<Output = inbox::Result<()>>,
+    dispatching: impl std::future::Future<Output = inbox::Result<T>>,
     for_how_long: Duration,
     rows: usize,
-) {
-    // Its own pool, so that the dispatcher under test never waits for one
-    // of its connections.
+) -> T {
     let others = inbox::tools::create_pool(settings).unwrap();
     let watching = async {
         let until = std::time::Instant::now() + for_how_long;
         let mut other_claims = 0;
         while std::time::Instant::now() < until {
+            // (A claim's own transaction is idle between its statement and
+            // its COMMIT, for the round trip: not what is looked for.)
+            let idle = env
+                .scalar(&format!(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = '{}' AND state LIKE 'idle in transaction%'
+                       AND state_change < now() - interval '300 milliseconds'",
+                    env.database
+                ))
+                .await;
+            assert_eq!(idle, 0, "a transaction is held open across the publish");
             let other = HeldSink {
                 open: std::sync::Arc::new(true.into()),
                 ..HeldSink::default()
@@ -1054,12 +1025,17 @@ async fn claimed_by_another_meanwhile(
         other_claims
     };
     let (dispatched, other_claims) = futures_util::future::join(dispatching, watching).await;
-    dispatched.expect("the rounds settle after their long publish");
-    assert_eq!(other_claims, 0, "another dispatcher claimed rows this one held");
+    let dispatched = dispatched.expect("the rounds settle after their long publish");
+    assert_eq!(other_claims, 0, "another dispatcher claimed leased rows");
     let sent = held.sent.lock().unwrap().clone();
     assert_eq!(sent.len(), rows, "each row once: {sent:?}");
-    assert_eq!(sent.iter().collect::<HashSet<_>>().len(), rows);
+    assert_eq!(
+        sent.iter().collect::<HashSet<_>>().len(),
+        rows,
+        "each row once: {sent:?}"
+    );
     assert_eq!(env.scalar("SELECT count(*) FROM outbox_messages").await, 0);
+    dispatched
 }
 
 /// A lease of four seconds: renewed every 1.3 s, it holds on a machine
@@ -1087,16 +1063,7 @@ async fn a_drain_keeps_the_lease_of_the_round_it_claimed_while_another_publishes
     let pool = inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
     let draining = inbox::internal::drain_outbox(&pool, &held, &settings.outbox);
-    claimed_by_another_meanwhile(
-        &env,
-        &pool,
-        &settings,
-        &held,
-        draining,
-        Duration::from_secs(10),
-        4,
-    )
-    .await;
+    watched_while_held(&env, &settings, &held, draining, Duration::from_secs(10), 4).await;
 }
 
 #[actix_rt::test]
@@ -1133,14 +1100,5 @@ async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
         let (dispatched, renewed) = futures_util::future::join(dispatching, renewed_unseen).await;
         renewed.and(dispatched)
     };
-    claimed_by_another_meanwhile(
-        &env,
-        &pool,
-        &settings,
-        &held,
-        dispatching,
-        Duration::from_secs(10),
-        3,
-    )
-    .await;
+    watched_while_held(&env, &settings, &held, dispatching, Duration::from_secs(10), 3).await;
 }

@@ -480,3 +480,42 @@ pub(crate) fn consumes(child: &mut std::process::Child) -> (bool, String) {
     }
     (false, log)
 }
+
+/// Takes the message waiting in `queue` and hands it back to the broker, as
+/// a consumer that crashed on it would: its next delivery is marked
+/// redelivered.
+pub(crate) async fn crash_once_on(queue: &str) {
+    use inbox::tools::lapin::options::BasicNackOptions;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let got = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("a message waits");
+    let requeue = BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    };
+    got.delivery.acker.nack(requeue).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Makes the inbox's tables in the test's database and records, as the
+/// runtime counts them, `deliveries` deliveries of `message_id` on the
+/// queue of `settings` (its consumer id).
+pub(crate) async fn delivered_before(settings: &Settings, message_id: uuid::Uuid, deliveries: i32) {
+    let pool = inbox::tools::create_pool(settings).unwrap();
+    let mut client = pool.get().await.unwrap();
+    let lock_wait = settings.database.migration_lock_timeout;
+    inbox::tools::migrate(&mut client, true, &[], lock_wait)
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, $3)",
+            &[&settings.queues[0].consumer_id(), &message_id, &deliveries],
+        )
+        .await
+        .unwrap();
+}
