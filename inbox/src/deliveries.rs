@@ -12,10 +12,10 @@
 //! message to the queue, as it is to a quorum queue's own count, and starts
 //! with its deliveries unspent.
 
-use deadpool_postgres::Pool;
 use uuid::Uuid;
 
 use crate::Error;
+use crate::db::Connections;
 use crate::error::Result;
 
 /// Records one more delivery of `message_id` for `consumer`, one the
@@ -23,8 +23,12 @@ use crate::error::Result;
 /// the first (unmarked) one included. Committed at once, in a statement of
 /// its own: a consumer that crashes while the handlers run has still
 /// counted it.
-pub(crate) async fn count_redelivery(pool: &Pool, consumer: &str, message_id: Uuid) -> Result<u32> {
-    let client = pool.get().await.map_err(Error::client)?;
+pub(crate) async fn count_redelivery(
+    connections: &Connections,
+    consumer: &str,
+    message_id: Uuid,
+) -> Result<u32> {
+    let client = connections.get().await.map_err(Error::client)?;
     let statement = client
         .prepare_cached(
             "INSERT INTO inbox_deliveries (consumer, message_id, deliveries) VALUES ($1, $2, 2)
@@ -45,8 +49,8 @@ pub(crate) async fn count_redelivery(pool: &Pool, consumer: &str, message_id: Uu
 
 /// Forgets the deliveries counted for `message_id`: it has left the queue
 /// (see the module's documentation).
-pub(crate) async fn forget(pool: &Pool, consumer: &str, message_id: Uuid) -> Result<()> {
-    let client = pool.get().await.map_err(Error::client)?;
+pub(crate) async fn forget(connections: &Connections, consumer: &str, message_id: Uuid) -> Result<()> {
+    let client = connections.get().await.map_err(Error::client)?;
     let statement = client
         .prepare_cached("DELETE FROM inbox_deliveries WHERE consumer = $1 AND message_id = $2")
         .await

@@ -8,9 +8,16 @@ pub use crate::context::{CAUSATION_ID, CORRELATION_ID};
 pub use crate::envelope::Envelope;
 pub use crate::error::describe;
 pub use crate::migrations::run_migrations;
-pub use crate::outbox::{Outgoing, Sink, dispatch};
+pub use crate::outbox::{Outgoing, Sink};
 pub use crate::policy::{Abandoned, Outcome};
-pub use crate::retention::sweep;
+
+/// A retention sweep on `pool`, as the runtime's sweeper runs one.
+pub async fn sweep(
+    pool: &deadpool_postgres::Pool,
+    retention: &crate::settings::RetentionSettings,
+) -> crate::Result<crate::retention::SweepReport> {
+    crate::retention::sweep(&pool.clone().into(), retention).await
+}
 
 /// Drains the outbox as the runtime's dispatcher does (rounds pipelined,
 /// every lease held renewed) until a round comes back short.
@@ -19,7 +26,17 @@ pub async fn drain_outbox(
     sink: &dyn Sink,
     settings: &crate::settings::OutboxSettings,
 ) -> crate::Result<()> {
-    crate::outbox::drain(pool, sink, settings, |_| true).await
+    crate::outbox::drain(&pool.clone().into(), sink, settings, |_| true).await
+}
+
+/// One outbox round on `pool`: claim, publish, settle.
+pub async fn dispatch(
+    pool: &deadpool_postgres::Pool,
+    sink: &dyn Sink,
+    settings: &crate::settings::OutboxSettings,
+    after: i64,
+) -> crate::Result<crate::outbox::DispatchReport> {
+    crate::outbox::dispatch(&pool.clone().into(), sink, settings, after).await
 }
 
 /// [`Settings::load`](crate::Settings::load) from the files in `dir`, for
@@ -43,7 +60,7 @@ pub fn dedup_of(runtime: &crate::Runtime) -> &actix::Addr<DedupActor> {
 /// A unit of work on `connection`, as the runtime opens one (the tests of
 /// its guard against pooling an open transaction).
 pub async fn begin(connection: ::deadpool_postgres::Object) -> crate::Result<crate::UnitOfWork> {
-    crate::UnitOfWork::begin(connection).await
+    crate::UnitOfWork::begin(connection.into()).await
 }
 
 /// The fault headers a set-aside copy carries.
@@ -61,7 +78,10 @@ pub mod masstransit {
 
 /// The outbox's parts a test watches.
 pub mod outbox {
-    pub use crate::outbox::backlog;
+    /// What waits in the outbox of `pool`'s database.
+    pub async fn backlog(pool: &deadpool_postgres::Pool) -> crate::Result<crate::outbox::Backlog> {
+        crate::outbox::backlog(&pool.clone().into()).await
+    }
 }
 
 /// W3C trace context in AMQP headers, as the runtime reads and writes it.

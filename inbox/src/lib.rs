@@ -76,7 +76,8 @@
 //! At the root of `src/`, the API a handler meets and the engine beneath the
 //! actors, one file or folder per module: the handler trait, the message and
 //! its context, the unit of work, the settings, the store, the migrations
-//! and the error; then the broker (`amqp/`), the outbox (`outbox/`), the
+//! and the error; then the broker (`amqp/`), the database's connections
+//! and the one gate they go through (`db/`), the outbox (`outbox/`), the
 //! failure policy, the fault headers, trace context, the wire formats and
 //! retention. Under `actors/`, the actix actors that run them, and the
 //! runtime that wires them (its module documentation draws how).

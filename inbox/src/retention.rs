@@ -4,9 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Object;
 
 use crate::Error;
+use crate::db::{Connection, Connections, Slot};
 use crate::error::Result;
 use crate::settings::RetentionSettings;
 
@@ -64,9 +65,9 @@ pub struct SweepReport {
 /// rows per statement (each its own transaction, skipping rows locked by
 /// someone else), until nothing is due. Unless another instance is sweeping
 /// the same database: then it returns at once with `swept: false`.
-pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepReport> {
+pub(crate) async fn sweep(connections: &Connections, retention: &RetentionSettings) -> Result<SweepReport> {
     let started = Instant::now();
-    let Some(lock) = SweepLock::try_take(pool.get().await.map_err(Error::client)?).await? else {
+    let Some(lock) = SweepLock::try_take(connections.get().await.map_err(Error::client)?).await? else {
         return Ok(SweepReport::default());
     };
     let mut report = SweepReport {
@@ -145,13 +146,17 @@ pub async fn sweep(pool: &Pool, retention: &RetentionSettings) -> Result<SweepRe
 /// still holding it would stop every other instance from sweeping.
 struct SweepLock {
     connection: Option<Object>,
+    /// The connection's slot in the runtime's gate: given back after it.
+    _slot: Option<Slot>,
 }
 
 impl SweepLock {
-    async fn try_take(connection: Object) -> Result<Option<Self>> {
+    async fn try_take(connection: Connection) -> Result<Option<Self>> {
+        let (connection, slot) = connection.into_parts();
         // Armed before the lock is asked for, in case the ask is cancelled.
         let lock = Self {
             connection: Some(connection),
+            _slot: slot,
         };
         let row = lock
             .connection()

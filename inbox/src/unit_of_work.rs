@@ -9,6 +9,7 @@ use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
 use crate::context::MessageContext;
+use crate::db::{Connection, Slot};
 use crate::error::{Error, Result};
 use crate::event::{IntegrationEvent, Message};
 use crate::outbox::staging::{OutboxRows, Outgoing};
@@ -78,9 +79,9 @@ struct State {
     outgoing: Vec<Outgoing>,
     /// How many there were at the open savepoint.
     outgoing_at_savepoint: usize,
-    /// The runtime's slot for the connection (see `db::Slots`), given back
-    /// after the connection: last, as fields drop in order.
-    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The connection's slot in the runtime's gate (see `db::Connections`),
+    /// given back after the connection: last, as fields drop in order.
+    _slot: Option<Slot>,
 }
 
 /// A statement's own result, before it is told apart as the runtime's error.
@@ -141,7 +142,8 @@ impl UnitOfWork {
     /// `BEGIN` outside a transaction cannot fail (inside one it only warns,
     /// and no pooled connection is ever left inside one: see below), and on
     /// a connection that fails, the statements after it fail too.
-    pub(crate) async fn begin(connection: Object) -> Result<Self> {
+    pub(crate) async fn begin(connection: Connection) -> Result<Self> {
+        let (connection, slot) = connection.into_parts();
         // Armed before BEGIN is sent: if this future is dropped mid-flight,
         // Drop discards the connection rather than risk pooling an open
         // transaction.
@@ -158,7 +160,7 @@ impl UnitOfWork {
                 focus: None,
                 outgoing: Vec::new(),
                 outgoing_at_savepoint: 0,
-                slot: None,
+                _slot: slot,
             }),
         };
         if let Some(Err(e)) = uow.client().batch_execute(BEGIN).now_or_never() {
@@ -254,12 +256,6 @@ impl UnitOfWork {
     /// opens).
     pub(crate) fn with_outbox(mut self, outbox: Outbox) -> Self {
         self.state.outbox = Some(outbox);
-        self
-    }
-
-    /// Holds `slot` as long as the connection (see `db::Slots`).
-    pub(crate) fn with_slot(mut self, slot: tokio::sync::OwnedSemaphorePermit) -> Self {
-        self.state.slot = Some(slot);
         self
     }
 
@@ -728,7 +724,7 @@ mod tests {
     #[tokio::test]
     async fn rolling_back_to_a_savepoint_forgets_the_records_staged_since() {
         let pool = crate::db::create_pool(&Settings::default()).unwrap();
-        let mut uow = UnitOfWork::begin(pool.get().await.unwrap()).await.unwrap();
+        let mut uow = UnitOfWork::begin(pool.get().await.unwrap().into()).await.unwrap();
         let (before, after) = (Uuid::now_v7(), Uuid::now_v7());
         uow.note_recorded(before);
         let mut uow = uow.savepoint().unwrap();

@@ -17,12 +17,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Object, Pool};
 use tokio::sync::Mutex;
 use tokio_postgres::SimpleQueryMessage;
 
 use crate::Settings;
 use crate::backoff::Backoff;
+use crate::db::Connections;
 
 /// The first pause between probes; doubled up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
@@ -45,7 +45,10 @@ const READY_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Shared by a runtime's consumers.
 pub(crate) struct DatabaseGate {
-    pool: Pool,
+    /// The runtime's connections: a probe takes its connection through
+    /// their gate like any other work, so a database that is only full
+    /// (every connection the server grants taken) is not taken for away.
+    connections: Connections,
     /// Where the database is, for the log.
     endpoint: String,
     /// The longest a probe may take (`database.connect_timeout`): a network
@@ -60,11 +63,11 @@ pub(crate) struct DatabaseGate {
 }
 
 impl DatabaseGate {
-    /// A gate over `pool`, whose database the start has reached.
-    pub(crate) fn new(pool: Pool, settings: &Settings) -> Self {
+    /// A gate over `connections`, whose database the start has reached.
+    pub(crate) fn new(connections: Connections, settings: &Settings) -> Self {
         crate::actors::metrics::database_available(true);
         Self {
-            pool,
+            connections,
             endpoint: settings.database_endpoint(),
             probe_timeout: settings.database.connect_timeout,
             probing: Mutex::new(()),
@@ -107,15 +110,14 @@ impl DatabaseGate {
 
     /// Whether the database answers now, for readiness: not while an
     /// outage is being waited out; else a `SELECT 1` on an idle pooled
-    /// connection, within [`READY_PROBE_TIMEOUT`]. When every connection is
-    /// busy with messages, the database is evidently answering, and the
+    /// connection, within [`READY_PROBE_TIMEOUT`]. When every connection
+    /// the runtime may hold now is busy (the pool's size, or fewer where the
+    /// server grants fewer), the database is evidently answering, and the
     /// probe would only queue behind them. Sets `inbox_database_available`.
     pub(crate) async fn is_available(&self) -> bool {
-        let status = self.pool.status();
-        let all_busy = status.available == 0 && status.size == status.max_size;
         let available = if self.down.load(Ordering::SeqCst) {
             false
-        } else if all_busy {
+        } else if self.connections.is_full() {
             true
         } else {
             tokio::time::timeout(READY_PROBE_TIMEOUT, self.probe())
@@ -129,7 +131,7 @@ impl DatabaseGate {
     /// Whether a pooled connection's server answers and takes writes.
     async fn probe(&self) -> bool {
         let limit = self.probe_timeout;
-        let Ok(Ok(connection)) = tokio::time::timeout(limit, self.pool.get()).await else {
+        let Ok(Ok(connection)) = tokio::time::timeout(limit, self.connections.get()).await else {
             return false;
         };
         match tokio::time::timeout(limit, connection.simple_query(WRITABLE)).await {
@@ -137,8 +139,8 @@ impl DatabaseGate {
             Ok(Ok(_)) => {
                 // Read-only: neither this connection nor the idle others
                 // (most likely to the same server) are of use.
-                drop(Object::take(connection));
-                let closed = self.pool.retain(|_, _| false).removed.len();
+                connection.discard();
+                let closed = self.connections.pool().retain(|_, _| false).removed.len();
                 tracing::debug!(
                     closed,
                     "the database is read-only; closed the idle connections to it"
@@ -149,7 +151,7 @@ impl DatabaseGate {
             Err(_) => {
                 // No answer: a connection stuck like this one is no use to
                 // the next message.
-                drop(Object::take(connection));
+                connection.discard();
                 false
             }
         }

@@ -1,6 +1,7 @@
 //! [`DedupActor`]: the inbox itself.
 //!
-//! Owns the connection pool and the inbox store. Receives [`Deliver`] (from
+//! Uses the runtime's connections (through their one gate, see
+//! `db::Connections`) and owns the inbox store. Receives [`Deliver`] (from
 //! a [`ConsumerActor`](crate::actors::consumer::ConsumerActor) or the in-process
 //! [`Publisher`](crate::Publisher)); for each message it opens a unit of
 //! work, claims the message in the inbox, runs the handlers of the
@@ -31,7 +32,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use metrics::Histogram;
 use tokio::sync::Semaphore;
@@ -42,7 +42,7 @@ use crate::UnitOfWork;
 use crate::actors::handler::{Handled, HandlerFailure, Route};
 use crate::actors::stats::Stats;
 use crate::actors::tally::Tally;
-use crate::db::Slots;
+use crate::db::Connections;
 use crate::envelope::Envelope;
 use crate::policy::{Abandoned, Outcome, Stage};
 use crate::store::{Claim, DynInboxStore, InboxKey};
@@ -97,12 +97,11 @@ pub(crate) struct ForgetDeliveries {
 /// The handlers' routes, by event type name.
 pub(crate) type Routes = HashMap<String, Route>;
 
-/// Owns the pool and the store; runs each message's unit of work.
+/// Owns the store; runs each message's unit of work on the runtime's connections.
 pub struct DedupActor {
-    pool: Pool,
-    /// The connections units of work may hold at once: fewer than the
-    /// pool's size once the server refuses more (see `Slots`).
-    slots: Arc<Slots>,
+    /// The runtime's connections, behind its one gate (which outlives
+    /// this actor's restarts).
+    connections: Connections,
     /// Given to every unit of work, so that handlers can stage messages.
     outbox: Outbox,
     /// `database.transaction_timeout`: the longest a message's (or a
@@ -126,12 +125,12 @@ pub struct DedupActor {
 }
 
 impl DedupActor {
-    /// An actor over `pool` and `store`, dispatching to `routes`; a
+    /// An actor over `connections` and `store`, dispatching to `routes`; a
     /// message's unit of work that takes longer than `transaction_timeout`
     /// is abandoned (its connection closed) and the message held as in an
     /// outage.
     pub(crate) fn new(
-        pool: Pool,
+        connections: Connections,
         store: Arc<dyn DynInboxStore>,
         routes: Routes,
         stats: Arc<Stats>,
@@ -152,8 +151,7 @@ impl DedupActor {
             })
             .collect();
         Self {
-            slots: Arc::new(Slots::new(&pool)),
-            pool,
+            connections,
             outbox,
             transaction_timeout,
             store,
@@ -206,8 +204,7 @@ impl DedupActor {
         };
         Work {
             claim_wait,
-            pool: self.pool.clone(),
-            slots: Arc::clone(&self.slots),
+            connections: self.connections.clone(),
             outbox: self.outbox.clone(),
             store: Arc::clone(&self.store),
             routes: Arc::clone(self.routes_by_consumer.get(consumer).unwrap_or(&self.routes)),
@@ -243,10 +240,10 @@ impl actix::Handler<CountRedelivery> for DedupActor {
     type Result = ResponseFuture<Result<u32, Abandoned>>;
 
     fn handle(&mut self, msg: CountRedelivery, _ctx: &mut Context<Self>) -> Self::Result {
-        let pool = self.pool.clone();
+        let connections = self.connections.clone();
         let timeout = self.transaction_timeout;
         Box::pin(async move {
-            let counting = crate::deliveries::count_redelivery(&pool, &msg.consumer, msg.message_id);
+            let counting = crate::deliveries::count_redelivery(&connections, &msg.consumer, msg.message_id);
             within_timeout(timeout, counting)
                 .await?
                 .map_err(|e| Abandoned::database(Stage::DeliveryLimit, &e))
@@ -258,10 +255,10 @@ impl actix::Handler<ForgetDeliveries> for DedupActor {
     type Result = ResponseFuture<Result<(), Abandoned>>;
 
     fn handle(&mut self, msg: ForgetDeliveries, _ctx: &mut Context<Self>) -> Self::Result {
-        let pool = self.pool.clone();
+        let connections = self.connections.clone();
         let timeout = self.transaction_timeout;
         Box::pin(async move {
-            let forgetting = crate::deliveries::forget(&pool, &msg.consumer, msg.message_id);
+            let forgetting = crate::deliveries::forget(&connections, &msg.consumer, msg.message_id);
             within_timeout(timeout, forgetting)
                 .await?
                 .map_err(|e| Abandoned::database(Stage::DeliveryLimit, &e))
@@ -321,8 +318,7 @@ async fn within_timeout<T>(timeout: Duration, work: impl Future<Output = T>) -> 
 pub(crate) struct Work {
     /// The claim's duration: the wait on a concurrent copy's row lock.
     pub(crate) claim_wait: Histogram,
-    pub(crate) pool: Pool,
-    pub(crate) slots: Arc<Slots>,
+    pub(crate) connections: Connections,
     pub(crate) outbox: Outbox,
     pub(crate) store: Arc<dyn DynInboxStore>,
     pub(crate) routes: Arc<Routes>,
@@ -331,15 +327,15 @@ pub(crate) struct Work {
 
 impl Work {
     pub(crate) async fn begin(&self) -> Result<UnitOfWork, Abandoned> {
-        let (connection, slot) = self
-            .slots
-            .checkout(&self.pool)
+        let connection = self
+            .connections
+            .get()
             .await
             .map_err(|e| Abandoned::database(Stage::Database, &Error::client(e)))?;
         let uow = UnitOfWork::begin(connection)
             .await
             .map_err(|e| Abandoned::database(Stage::Begin, &e))?;
-        Ok(uow.with_outbox(self.outbox.clone()).with_slot(slot))
+        Ok(uow.with_outbox(self.outbox.clone()))
     }
 
     async fn process(self, Deliver { consumer, envelope }: Deliver) -> Outcome {

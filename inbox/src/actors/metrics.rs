@@ -35,6 +35,9 @@ pub const IN_FLIGHT: &str = "inbox_in_flight";
 pub const CONSUMER_CONNECTED: &str = "inbox_consumer_connected";
 /// Whether the database answers (1) or is away (0).
 pub const DATABASE_AVAILABLE: &str = "inbox_database_available";
+/// The connections the runtime may hold at once: `database.pool_size`,
+/// less while the server refuses more (53300).
+pub const DATABASE_CONNECTION_LIMIT: &str = "inbox_database_connection_limit";
 /// Outbox rows waiting to be dispatched.
 pub const OUTBOX_PENDING: &str = "inbox_outbox_pending";
 /// How long the oldest of them has waited.
@@ -81,6 +84,10 @@ pub(crate) fn describe() {
     describe_gauge!(
         DATABASE_AVAILABLE,
         "Whether the database answers (1) or is away (0)."
+    );
+    describe_gauge!(
+        DATABASE_CONNECTION_LIMIT,
+        "The database connections the runtime may hold at once: database.pool_size, or fewer while the server refuses more (53300)."
     );
     describe_gauge!(
         OUTBOX_PENDING,
@@ -176,6 +183,10 @@ pub(crate) fn handler_duration(event_type: &'static str) -> Histogram {
 
 pub(crate) fn database_available(available: bool) {
     gauge!(DATABASE_AVAILABLE).set(if available { 1.0 } else { 0.0 });
+}
+
+pub(crate) fn database_connection_limit(limit: usize) {
+    gauge!(DATABASE_CONNECTION_LIMIT).set(limit as f64);
 }
 
 pub(crate) fn outbox_dispatched(rows: usize) {

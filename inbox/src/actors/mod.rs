@@ -10,7 +10,7 @@
 //!   (`settle.rs`): ack, hold, retry, or move to a retry tier, `Q.error`
 //!   or `Q.skipped`. Takes
 //!   `Drain` and `Disconnect` at shutdown, `Flush` from itself.
-//! - `DedupActor` (`dedup.rs`): owns the pool; claims the message in the
+//! - `DedupActor` (`dedup.rs`): owns the inbox store; claims the message in the
 //!   inbox, runs the event type's handlers in its unit of work through
 //!   their `Route`, commits or rolls back on what they return (`Handled`),
 //!   replies the `Outcome`.

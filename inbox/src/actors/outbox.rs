@@ -16,12 +16,12 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use tokio::sync::watch;
 
 use crate::actors::publisher::Publisher;
 use crate::actors::stats::Stats;
+use crate::db::Connections;
 use crate::settings::OutboxSettings;
 use crate::unit_of_work::Outbox;
 
@@ -32,7 +32,7 @@ pub(crate) struct StopDispatching;
 
 /// Dispatches the outbox of one database.
 pub(crate) struct OutboxActor {
-    pool: Pool,
+    connections: Connections,
     /// Where rows go: the broker over a connection of the outbox's own, or
     /// the handlers in process.
     sink: Publisher,
@@ -49,7 +49,7 @@ pub(crate) struct OutboxActor {
 
 impl OutboxActor {
     pub(crate) fn new(
-        pool: Pool,
+        connections: Connections,
         sink: Publisher,
         settings: OutboxSettings,
         outbox: Outbox,
@@ -57,7 +57,7 @@ impl OutboxActor {
         listen_to: Option<crate::outbox::ListenTo>,
     ) -> Self {
         Self {
-            pool,
+            connections,
             sink,
             settings,
             outbox,
@@ -101,15 +101,15 @@ impl OutboxActor {
     /// Samples the backlog, for the stats and metrics, every poll interval
     /// rather than after every round.
     fn sampling(&self) -> impl Future<Output = ()> + 'static {
-        let (pool, stats, every) = (
-            self.pool.clone(),
+        let (connections, stats, every) = (
+            self.connections.clone(),
             Arc::clone(&self.stats),
             self.settings.poll_interval,
         );
         let mut stop = self.stop.subscribe();
         async move {
             while !*stop.borrow() {
-                match crate::outbox::backlog(&pool).await {
+                match crate::outbox::backlog(&connections).await {
                     Ok(backlog) => stats.record_backlog(&backlog),
                     Err(e) => tracing::debug!(error = %e, "cannot count the outbox's backlog"),
                 }
@@ -124,7 +124,8 @@ impl OutboxActor {
     /// Drains the outbox at every wake and poll until told to stop, then
     /// says so through `done`.
     fn dispatching(&self, done: tokio::sync::oneshot::Sender<()>) -> impl Future<Output = ()> + 'static {
-        let (pool, sink, settings) = (self.pool.clone(), self.sink.clone(), self.settings.clone());
+        let (connections, sink, settings) =
+            (self.connections.clone(), self.sink.clone(), self.settings.clone());
         let stats = Arc::clone(&self.stats);
         let wake = Arc::clone(&self.outbox.wake);
         let mut stop = self.stop.subscribe();
@@ -139,7 +140,7 @@ impl OutboxActor {
                 // A round that found the broker away ends the drain: the
                 // next waits for a wake or the poll.
                 let mut unsent = 0;
-                let drained = crate::outbox::drain(&pool, &sink, &settings, |report| {
+                let drained = crate::outbox::drain(&connections, &sink, &settings, |report| {
                     stats.record_dispatch(report);
                     unsent += report.unsent;
                     !*stop.borrow() && report.unsent == 0

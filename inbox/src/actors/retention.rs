@@ -1,6 +1,6 @@
 //! [`RetentionActor`]: keeps `inbox_messages` from growing forever.
 //!
-//! Owns a handle on the pool and the `[retention]` settings. Every
+//! Uses the runtime's connections and owns the `[retention]` settings. Every
 //! `retention.interval` it runs an [`crate::retention::sweep`] (one at a time in this
 //! instance; across instances the sweep's advisory lock lets one per
 //! database go, the others skip the round). Receives [`Sweep`] to sweep now,
@@ -11,9 +11,9 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
-use deadpool_postgres::Pool;
 
 use crate::actors::stats::Stats;
+use crate::db::Connections;
 use crate::retention::SweepReport;
 use crate::settings::RetentionSettings;
 
@@ -30,17 +30,17 @@ pub(crate) struct StopSweeping;
 /// Deletes inbox rows past `retention.days`, every `retention.interval`.
 #[derive(Debug)]
 pub struct RetentionActor {
-    pool: Pool,
+    connections: Connections,
     settings: RetentionSettings,
     stats: Arc<Stats>,
     sweeping: bool,
 }
 
 impl RetentionActor {
-    /// An actor sweeping `pool`'s database.
-    pub(crate) fn new(pool: Pool, settings: RetentionSettings, stats: Arc<Stats>) -> Self {
+    /// An actor sweeping the database of `connections`.
+    pub(crate) fn new(connections: Connections, settings: RetentionSettings, stats: Arc<Stats>) -> Self {
         Self {
-            pool,
+            connections,
             settings,
             stats,
             sweeping: false,
@@ -50,8 +50,8 @@ impl RetentionActor {
     /// One sweep, logged and counted.
     fn sweep(&mut self) -> impl ActorFuture<Self, Output = crate::Result<SweepReport>> + 'static {
         self.sweeping = true;
-        let (pool, settings) = (self.pool.clone(), self.settings.clone());
-        async move { crate::retention::sweep(&pool, &settings).await }
+        let (connections, settings) = (self.connections.clone(), self.settings.clone());
+        async move { crate::retention::sweep(&connections, &settings).await }
             .into_actor(self)
             .map(|result, actor, _| {
                 actor.sweeping = false;

@@ -24,6 +24,7 @@ use crate::actors::outbox::{OutboxActor, StopDispatching};
 use crate::actors::publisher::Publisher;
 use crate::actors::retention::{RetentionActor, StopSweeping};
 use crate::actors::stats::{Stats, StatsSnapshot};
+use crate::db::Connections;
 use crate::handler::DynEventHandler;
 use crate::store::{DynInboxStore, InboxStore, NoopInboxStore, PgInboxStore};
 use crate::unit_of_work::Outbox;
@@ -146,7 +147,10 @@ impl RuntimeBuilder {
         });
 
         crate::actors::metrics::describe();
-        let database = Arc::new(DatabaseGate::new(pool.clone(), &settings));
+        // Every connection the runtime takes goes through this one gate,
+        // built once: a connection limit learnt by one part holds for all.
+        let connections = Connections::gated(pool);
+        let database = Arc::new(DatabaseGate::new(connections.clone(), &settings));
         let consumed = match settings.message_bus.provider {
             Provider::Rabbitmq => settings.queues.iter().map(|q| q.name.clone()).collect(),
             Provider::InProcess => Vec::new(),
@@ -169,16 +173,23 @@ impl RuntimeBuilder {
         let stats = Arc::new(Stats::default());
         let (outbox, handed_over) = outbox_of(&settings);
         let dedup = {
-            let (pool, stats, outbox) = (pool.clone(), Arc::clone(&stats), outbox.clone());
+            let (connections, stats, outbox) = (connections.clone(), Arc::clone(&stats), outbox.clone());
             let timeout = settings.database.transaction_timeout;
             let queues = settings.queues.clone();
-            Supervisor::start(move |_| DedupActor::new(pool, store, routes, stats, timeout, outbox, &queues))
+            Supervisor::start(move |_| {
+                DedupActor::new(connections, store, routes, stats, timeout, outbox, &queues)
+            })
         };
         health.watch_actor("dedup actor", running(&dedup));
         // Rows of an enabled period stay while the inbox is off: nothing
         // deletes them until it is on again.
         let retention = settings.is_inbox_enabled().then(|| {
-            RetentionActor::new(pool.clone(), settings.retention.clone(), Arc::clone(&stats)).start()
+            RetentionActor::new(
+                connections.clone(),
+                settings.retention.clone(),
+                Arc::clone(&stats),
+            )
+            .start()
         });
         if let Some(retention) = &retention {
             health.watch_actor("retention actor", running(retention));
@@ -197,7 +208,7 @@ impl RuntimeBuilder {
             ),
             settings,
             handled,
-            pool,
+            connections,
             dedup,
             outbox,
             dispatcher: None,
@@ -391,7 +402,9 @@ pub struct Runtime {
     outbox: Outbox,
     /// Publishes what they staged, once committed.
     dispatcher: Option<Addr<OutboxActor>>,
-    pool: Pool,
+    /// The pool, behind the gate every connection the runtime takes goes
+    /// through.
+    connections: Connections,
     dedup: Addr<DedupActor>,
     consumers: Vec<Addr<ConsumerActor>>,
     retention: Option<Addr<RetentionActor>>,
@@ -462,15 +475,16 @@ impl Runtime {
 
     /// Starts the outbox's dispatcher, sending to `sink`.
     fn start_dispatcher(&mut self, sink: Publisher) {
-        let (pool, settings, outbox) = (
-            self.pool.clone(),
+        let (connections, settings, outbox) = (
+            self.connections.clone(),
             self.settings.outbox.clone(),
             self.outbox.clone(),
         );
         let stats = Arc::clone(&self.stats);
         let listen_to = crate::outbox::ListenTo::of(&self.settings).ok();
-        let dispatcher =
-            Supervisor::start(move |_| OutboxActor::new(pool, sink, settings, outbox, stats, listen_to));
+        let dispatcher = Supervisor::start(move |_| {
+            OutboxActor::new(connections, sink, settings, outbox, stats, listen_to)
+        });
         self.health.watch_actor("outbox dispatcher", running(&dispatcher));
         self.dispatcher = Some(dispatcher);
     }
@@ -540,16 +554,21 @@ impl Runtime {
     /// A unit of work on the inbox's pool, for application code (an HTTP
     /// endpoint, a job, a command): write through it, stage messages with
     /// [`UnitOfWork::publish`], then commit it. What it staged is published
-    /// once it commits, never before.
+    /// once it commits, never before. Its connection counts against the
+    /// runtime's connection limit like a message's: where the server grants
+    /// fewer connections than `database.pool_size`, it waits for one.
     pub async fn unit_of_work(&self) -> Result<UnitOfWork> {
-        let uow = UnitOfWork::begin(self.pool.get().await.map_err(Error::client)?).await?;
+        let uow = UnitOfWork::begin(self.connections.get().await.map_err(Error::client)?).await?;
         Ok(uow.with_outbox(self.outbox.clone()))
     }
 
     /// The inbox's pool, for a service's own setup queries. Messages in
-    /// flight hold its connections; do not keep one for long.
+    /// flight hold its connections; do not keep one for long. A connection
+    /// taken here bypasses the runtime's connection limit: where the
+    /// server grants fewer connections than `database.pool_size`, prefer
+    /// [`unit_of_work`](Self::unit_of_work), which waits its turn.
     pub fn pool(&self) -> &Pool {
-        &self.pool
+        self.connections.pool()
     }
 
     /// The dedup actor, for this repository's tests (`internal::dedup_of`).
@@ -593,7 +612,7 @@ impl Runtime {
         let retention = self.retention.clone();
         let dispatcher = self.dispatcher.clone();
         let publisher = self.publisher.clone();
-        let pool = self.pool.clone();
+        let connections = self.connections.clone();
         let stats = Arc::clone(&self.stats);
         let timeout = self.settings.runtime.shutdown_timeout;
         // Closing waits for the broker's answer, which a broker whose
@@ -626,7 +645,7 @@ impl Runtime {
                     "the broker did not answer the close; leaving without it"
                 );
             }
-            pool.close();
+            connections.close();
             tracing::info!(stats = ?stats.snapshot(), "runtime stopped");
         }
     }

@@ -2,9 +2,8 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
-
 use crate::Error;
+use crate::db::Connections;
 use crate::error::Result;
 
 /// What waits to be dispatched: rows that are not dead, those other
@@ -27,8 +26,8 @@ pub(crate) const BACKLOG_COUNT_LIMIT: i64 = 100_000;
 /// Samples the `Backlog` through the pending and dead rows' indexes,
 /// counting each kind up to `BACKLOG_COUNT_LIMIT` (a larger backlog
 /// shows as that many); the oldest pending row is the first by `seq`.
-pub async fn backlog(pool: &Pool) -> Result<Backlog> {
-    let row = pool
+pub(crate) async fn backlog(connections: &Connections) -> Result<Backlog> {
+    let row = connections
         .get()
         .await.map_err(Error::client)?
         .query_one(

@@ -22,13 +22,13 @@ use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use uuid::Uuid;
 
 use crate::Error;
 use crate::backoff::Backoff;
+use crate::db::Connections;
 use crate::error::Result;
 use crate::settings::OutboxSettings;
 use crate::unit_of_work::UnitOfWork;
@@ -75,15 +75,19 @@ impl DispatchReport {
 /// follow a full one start after it; a round that is not full is followed
 /// by one from the start, which finds rows passed over (retries come due,
 /// rows another instance held).
-pub async fn dispatch(
-    pool: &Pool,
+pub(crate) async fn dispatch(
+    connections: &Connections,
     sink: &dyn Sink,
     settings: &OutboxSettings,
     after: i64,
 ) -> Result<DispatchReport> {
     let leases = Leases::default();
     leases
-        .kept_during(pool, settings, Round::run(pool, sink, settings, after, &leases))
+        .kept_during(
+            connections,
+            settings,
+            Round::run(connections, sink, settings, after, &leases),
+        )
         .await
 }
 
@@ -99,7 +103,7 @@ pub async fn dispatch(
 /// confirm), which keeps the rows of one transaction in staging order. A
 /// pool of a single connection runs the rounds one after the other.
 pub(crate) async fn drain(
-    pool: &Pool,
+    connections: &Connections,
     sink: &dyn Sink,
     settings: &OutboxSettings,
     go_on: impl FnMut(&DispatchReport) -> bool,
@@ -107,32 +111,32 @@ pub(crate) async fn drain(
     let leases = Leases::default();
     leases
         .kept_during(
-            pool,
+            connections,
             settings,
-            drain_holding(pool, sink, settings, go_on, &leases),
+            drain_holding(connections, sink, settings, go_on, &leases),
         )
         .await
 }
 
 /// [`drain`], its rounds' leases held in `leases`.
 async fn drain_holding(
-    pool: &Pool,
+    connections: &Connections,
     sink: &dyn Sink,
     settings: &OutboxSettings,
     mut go_on: impl FnMut(&DispatchReport) -> bool,
     leases: &Leases,
 ) -> Result<()> {
-    if pool.status().max_size < 2 {
+    if connections.pool_size() < 2 {
         let mut after = 0;
         loop {
-            let report = Round::run(pool, sink, settings, after, leases).await?;
+            let report = Round::run(connections, sink, settings, after, leases).await?;
             if !go_on(&report) || !report.is_full(settings) {
                 return Ok(());
             }
             after = report.last_seq.unwrap_or(after);
         }
     }
-    let mut current = Round::claim(pool, settings, 0, leases).await?;
+    let mut current = Round::claim(connections, settings, 0, leases).await?;
     let mut previous: Option<(Round, Vec<Result<()>>)> = None;
     loop {
         let claim_next = current.is_full(settings);
@@ -140,13 +144,13 @@ async fn drain_holding(
         let previous_round = previous.take();
         let (results, (settled, next)) = futures_util::future::join(current.send_all(sink), async {
             let settled = match previous_round {
-                Some((round, results)) => Some(round.settle(pool, results, settings, leases).await),
+                Some((round, results)) => Some(round.settle(connections, results, settings, leases).await),
                 None => None,
             };
             // Not once settling failed: the database is likely away.
             let next = match (&settled, claim_next) {
                 (Some(Err(_)), _) | (_, false) => None,
-                _ => Some(Round::claim(pool, settings, after, leases).await),
+                _ => Some(Round::claim(connections, settings, after, leases).await),
             };
             (settled, next)
         })
@@ -164,10 +168,10 @@ async fn drain_holding(
             // The table is drained, the claim failed, or it is time to
             // stop: settle what was published, then return.
             next => {
-                let report = current.settle(pool, results, settings, leases).await?;
+                let report = current.settle(connections, results, settings, leases).await?;
                 go_on(&report);
                 return match next {
-                    Some(Ok(unpublished)) => unpublished.release(pool, leases).await,
+                    Some(Ok(unpublished)) => unpublished.release(connections, leases).await,
                     Some(Err(e)) => Err(e),
                     None => Ok(()),
                 };
@@ -202,7 +206,7 @@ impl Leases {
     /// dispatcher may send the rows too, with the same message_ids.
     async fn kept_during<T>(
         &self,
-        pool: &Pool,
+        connections: &Connections,
         settings: &OutboxSettings,
         work: impl Future<Output = T>,
     ) -> T {
@@ -210,7 +214,7 @@ impl Leases {
         let renewing = std::pin::pin!(async {
             loop {
                 tokio::time::sleep(settings.claim_lease / 3).await;
-                if let Err(e) = self.renew(pool, settings).await {
+                if let Err(e) = self.renew(connections, settings).await {
                     tracing::debug!(error = %e, "cannot renew the outbox rounds' leases; trying again");
                 }
             }
@@ -224,7 +228,7 @@ impl Leases {
     /// Moves the lease's end `claim_lease` ahead on every row still held
     /// (a row whose lease ran out and that another dispatcher claimed has
     /// another token), in one statement.
-    async fn renew(&self, pool: &Pool, settings: &OutboxSettings) -> Result<()> {
+    async fn renew(&self, connections: &Connections, settings: &OutboxSettings) -> Result<()> {
         let (tokens, seqs): (Vec<Uuid>, Vec<i64>) = {
             let held = self.held();
             let tokens = held.iter().map(|(lease, _)| *lease).collect();
@@ -236,7 +240,8 @@ impl Leases {
         if tokens.is_empty() {
             return Ok(());
         }
-        pool.get()
+        connections
+            .get()
             .await
             .map_err(Error::client)?
             .execute(
@@ -276,8 +281,8 @@ const ROUND_SETTINGS: &str = "SET LOCAL synchronous_commit = off; SET LOCAL enab
 /// A short transaction for a round's statements, [`ROUND_SETTINGS`] sent in
 /// the pipeline with BEGIN and the first statement, unanswered: were they
 /// to fail, the transaction aborts and that statement with it.
-async fn round_transaction(pool: &Pool) -> Result<UnitOfWork> {
-    let uow = UnitOfWork::begin(pool.get().await.map_err(Error::client)?).await?;
+async fn round_transaction(connections: &Connections) -> Result<UnitOfWork> {
+    let uow = UnitOfWork::begin(connections.get().await.map_err(Error::client)?).await?;
     if let Some(Err(e)) = uow.client().batch_execute(ROUND_SETTINGS).now_or_never() {
         return Err(Error::client(e));
     }
@@ -287,20 +292,25 @@ async fn round_transaction(pool: &Pool) -> Result<UnitOfWork> {
 impl Round {
     /// A whole round, unpipelined: claim, publish, settle.
     async fn run(
-        pool: &Pool,
+        connections: &Connections,
         sink: &dyn Sink,
         settings: &OutboxSettings,
         after: i64,
         leases: &Leases,
     ) -> Result<DispatchReport> {
-        let round = Round::claim(pool, settings, after, leases).await?;
+        let round = Round::claim(connections, settings, after, leases).await?;
         let results = round.send_all(sink).await;
-        round.settle(pool, results, settings, leases).await
+        round.settle(connections, results, settings, leases).await
     }
 
     /// Claims the round's rows, and holds their lease in `leases`.
-    async fn claim(pool: &Pool, settings: &OutboxSettings, after: i64, leases: &Leases) -> Result<Self> {
-        let uow = round_transaction(pool).await?;
+    async fn claim(
+        connections: &Connections,
+        settings: &OutboxSettings,
+        after: i64,
+        leases: &Leases,
+    ) -> Result<Self> {
+        let uow = round_transaction(connections).await?;
         let claim = uow
             .client()
             .prepare_cached(
@@ -364,9 +374,10 @@ impl Round {
     }
 
     /// Gives the rows back unpublished: due at once again.
-    async fn release(self, pool: &Pool, leases: &Leases) -> Result<()> {
+    async fn release(self, connections: &Connections, leases: &Leases) -> Result<()> {
         let released = async {
-            pool.get()
+            connections
+                .get()
                 .await
                 .map_err(Error::client)?
                 .execute(
@@ -421,7 +432,7 @@ impl Round {
     /// transaction.
     async fn settle(
         self,
-        pool: &Pool,
+        connections: &Connections,
         results: Vec<Result<()>>,
         settings: &OutboxSettings,
         leases: &Leases,
@@ -429,7 +440,7 @@ impl Round {
         // The rows it reschedules lose the token with the lease, so that a
         // renewal in flight meanwhile cannot push their next attempt out.
         let lease = self.lease;
-        let settled = self.settle_rows(pool, results, settings).await;
+        let settled = self.settle_rows(connections, results, settings).await;
         // Settled, or not (the database away): either way no longer held,
         // and rows left unsettled come due when their lease runs out.
         leases.let_go(lease);
@@ -439,7 +450,7 @@ impl Round {
     /// [`settle`](Self::settle), the rows' part.
     async fn settle_rows(
         self,
-        pool: &Pool,
+        connections: &Connections,
         results: Vec<Result<()>>,
         settings: &OutboxSettings,
     ) -> Result<DispatchReport> {
@@ -448,7 +459,7 @@ impl Round {
             last_seq: self.last_seq(),
             ..DispatchReport::default()
         };
-        let uow = round_transaction(pool).await?;
+        let uow = round_transaction(connections).await?;
         let mut confirmed: Vec<i64> = Vec::new();
         let mut unsent: Vec<i64> = Vec::new();
         let mut unreachable = None;

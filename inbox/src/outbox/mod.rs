@@ -31,9 +31,9 @@ pub(crate) mod staging;
 
 pub use admin::retry_dead;
 pub(crate) use backlog::Backlog;
-pub use backlog::backlog;
+pub(crate) use backlog::backlog;
 pub(crate) use dispatch::DispatchReport;
-pub use dispatch::dispatch;
+pub(crate) use dispatch::dispatch;
 pub(crate) use dispatch::drain;
 pub(crate) use listen::{ListenTo, listen};
 pub use sink::Sink;

@@ -218,6 +218,7 @@ async fn the_metrics_count_each_outcome_by_queue_and_name_every_series() {
     for name in [
         "inbox_handler_duration_seconds_bucket{event_type=\"Counted\"",
         "inbox_database_available ",
+        "inbox_database_connection_limit ",
         "inbox_outbox_pending ",
         "inbox_outbox_oldest_pending_seconds ",
         "inbox_outbox_dispatched_total ",
@@ -308,6 +309,128 @@ async fn a_pool_larger_than_the_server_grants_waits_and_spends_no_attempt() {
     for key in 0..200 {
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
+    admin
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .await
+        .unwrap();
+}
+
+/// Counts, after a short pause holding its connection: the work of a
+/// handler that calls out, which keeps connections busy long enough for
+/// messages to wait for them.
+struct CountSlowly;
+
+impl EventHandler<Counted> for CountSlowly {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        actix_rt::time::sleep(Duration::from_millis(2)).await;
+        increment(uow, "counts", event.key).await
+    }
+}
+
+/// The server's sessions of `role` now.
+async fn sessions_of(admin: &inbox::tokio_postgres::Client, role: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1",
+            &[&role],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// The connection limit comes down where the server grants fewer
+/// connections, and goes back up once it grants more: a service started
+/// while other sessions held all but one of its role's connections gets
+/// all of them once those sessions end, without a restart, and is ready
+/// throughout (full is not away).
+#[actix_rt::test]
+async fn the_connection_limit_comes_down_when_refused_and_grows_back_when_the_server_has_room() {
+    const LIMIT: i64 = 6;
+    let env = TestEnv::new("pool_grows_back").await;
+    let role = "inbox_test_pool_grows_back";
+    let admin = limited_role(&env, role, LIMIT as u32).await;
+    let settings = {
+        let mut settings = settings_as(&env, role);
+        settings.database.pool_size = 10;
+        settings.queues[0].prefetch = 16;
+        settings.queues[0].batch_size = 1;
+        settings
+    };
+    let logs = Captured::default();
+    let _capturing = logs.install();
+    // Other sessions of the role hold all its connections but one.
+    let mut others = Vec::new();
+    for _ in 0..LIMIT - 1 {
+        let config: inbox::tokio_postgres::Config = settings.database.url.parse().unwrap();
+        let (client, connection) = config.connect(inbox::tokio_postgres::NoTls).await.unwrap();
+        actix_rt::spawn(connection);
+        others.push(client);
+    }
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountSlowly)
+        .start()
+        .await
+        .unwrap();
+    let monitor = runtime.monitor();
+    publish_keys(&runtime, &env.queue, 0..50).await;
+    wait_until("the first 50 complete", || async {
+        runtime.stats().completed == 50
+    })
+    .await;
+    assert_eq!(
+        sessions_of(&admin, role).await,
+        LIMIT,
+        "the role's connections all taken"
+    );
+
+    drop(others);
+    let unready = std::cell::RefCell::new(Vec::new());
+    let publishing = publish_keys(&runtime, &env.queue, 50..6_050);
+    let growing = async {
+        wait_until("the service holds every connection the role has", || async {
+            let ready = monitor.ready().await;
+            if !ready.ok {
+                unready.borrow_mut().push(ready.reasons);
+            }
+            sessions_of(&admin, role).await == LIMIT
+        })
+        .await;
+    };
+    tokio::join!(publishing, growing);
+    wait_until("all complete", || async { runtime.stats().completed == 6_050 }).await;
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+
+    assert_eq!(
+        unready.into_inner(),
+        Vec::<Vec<String>>::new(),
+        "ready throughout"
+    );
+    let text = logs.text();
+    assert!(
+        text.contains("for want of slots (53300)"),
+        "the limit came down: {text}"
+    );
+    assert!(
+        !text.contains("database unavailable"),
+        "full was taken for away: {text}"
+    );
+    assert_eq!(
+        (stats.retried, stats.abandoned, stats.dead_lettered),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    let (rows, total): (i64, i64) = {
+        let row = env
+            .db()
+            .await
+            .query_one("SELECT count(*), sum(n)::bigint FROM counts", &[])
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((rows, total), (6_050, 6_050), "every message applied once");
     admin
         .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
         .await

@@ -1,12 +1,13 @@
-//! The inbox's connection pool.
+//! The inbox's connection pool, and the gate every connection the runtime
+//! takes goes through (`gate.rs`).
 
-use std::sync::{Arc, Mutex};
+mod gate;
+
 use std::time::Instant;
 
-use deadpool_postgres::{
-    Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, TimeoutType,
-};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+
+pub(crate) use gate::{Connection, Connections, Slot};
 
 use crate::error::{Error, Result};
 use crate::settings::Settings;
@@ -59,90 +60,6 @@ fn build_pool(settings: &Settings, config: tokio_postgres::Config) -> Result<Poo
                 format!("cannot build the database pool: {e}"),
             )
         })
-}
-
-/// The connections a message's unit of work may hold at once: the pool's
-/// `database.pool_size` until the server refuses a new connection for want
-/// of slots (53300: its `max_connections`, or the role's limit) while the
-/// pool holds others. The pool has then outgrown what the server grants:
-/// no outage, and nothing the message did. Failing the checkout would hold
-/// the message as for an outage, the database would answer at once, and
-/// after a few such holds the message would spend its attempts and walk
-/// the retry tiers for a setting's fault; asking again would cost the
-/// server a refused connection at each turn. So the limit comes down to
-/// the connections the pool holds, and messages wait for one of them, as
-/// for a full pool. It stays down until the runtime restarts.
-pub(crate) struct Slots {
-    permits: Arc<Semaphore>,
-    /// The permits there are, taken or not.
-    granted: Mutex<usize>,
-}
-
-impl Slots {
-    pub(crate) fn new(pool: &Pool) -> Self {
-        let size = pool.status().max_size;
-        Self {
-            permits: Arc::new(Semaphore::new(size)),
-            granted: Mutex::new(size),
-        }
-    }
-
-    /// A connection from `pool` and the slot it takes, which goes with the
-    /// unit of work. Waits for a slot no longer than the pool waits for a
-    /// connection (`database.transaction_timeout`).
-    pub(crate) async fn checkout(
-        &self,
-        pool: &Pool,
-    ) -> std::result::Result<(Object, OwnedSemaphorePermit), PoolError> {
-        loop {
-            // A free slot is the rule: taken without a timer, which would
-            // cost every message a registration.
-            let slot = match Arc::clone(&self.permits).try_acquire_owned() {
-                Ok(slot) => slot,
-                Err(_) => {
-                    let acquire = Arc::clone(&self.permits).acquire_owned();
-                    match pool.timeouts().wait {
-                        Some(wait) => tokio::time::timeout(wait, acquire)
-                            .await
-                            .map_err(|_| PoolError::Timeout(TimeoutType::Wait))?,
-                        None => acquire.await,
-                    }
-                    .map_err(|_| PoolError::Closed)?
-                }
-            };
-            match pool.get().await {
-                Ok(connection) => return Ok((connection, slot)),
-                Err(PoolError::Backend(e)) if crate::error::no_slot_left(&e) && pool.status().size > 0 => {
-                    // This slot is given up with the others above what the
-                    // pool holds: wait for a taken one to come back.
-                    drop(slot);
-                    self.shrink_to(pool.status().size);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Lowers the limit to `open` connections, as far as the free permits
-    /// allow (the taken ones come back as they are, and a next refusal
-    /// lowers it further).
-    fn shrink_to(&self, open: usize) {
-        let Ok(mut granted) = self.granted.lock() else {
-            return;
-        };
-        if open == 0 || open >= *granted {
-            return;
-        }
-        let pool_size = *granted;
-        *granted -= self.permits.forget_permits(*granted - open);
-        tracing::warn!(
-            open,
-            limit = *granted,
-            pool_size,
-            "the database refused a new connection for want of slots (53300): messages now share the connections open, until a restart; {}",
-            crate::error::NO_SLOT_LEFT_HINT
-        );
-    }
 }
 
 /// A connection from `pool`, waiting for the database the way a start
