@@ -243,10 +243,34 @@ impl<E: IntegrationEvent> actix::Handler<Restart> for HandlerActor<E> {
     }
 }
 
+/// How a body's keys are matched to the event type's fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FieldNames {
+    /// As serde matches them: this library's wire.
+    Exact,
+    /// In any case, as MassTransit reads a message (see
+    /// `masstransit::any_case`).
+    AnyCase,
+}
+
+impl FieldNames {
+    /// How `envelope`'s body is read: in any case on MassTransit's wire.
+    pub(crate) fn of(envelope: &Envelope) -> Self {
+        match envelope.masstransit {
+            Some(_) => Self::AnyCase,
+            None => Self::Exact,
+        }
+    }
+}
+
 /// `body` decoded into `E`, or why it is not one (bounded: serde quotes the
 /// offending text).
-pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
-    serde_json::from_slice(body).map_err(|e| cut_to_reason(format!("body is not a valid `{}`: {e}", E::TYPE)))
+pub(crate) fn decode<E: IntegrationEvent>(body: &[u8], names: FieldNames) -> Result<E, String> {
+    match names {
+        FieldNames::Exact => serde_json::from_slice(body),
+        FieldNames::AnyCase => crate::masstransit::from_slice_any_case(body),
+    }
+    .map_err(|e| cut_to_reason(format!("body is not a valid `{}`: {e}", E::TYPE)))
 }
 
 /// Decodes a body into an event type before a message's transaction
@@ -254,11 +278,14 @@ pub(crate) fn decode<E: IntegrationEvent>(body: &[u8]) -> Result<E, String> {
 /// costing a transaction and a rollback, and one that is has its event
 /// held in the envelope ([`crate::envelope::DecodedEvent`]) for the
 /// handlers' route, which parses it no second time.
-pub(crate) type Decodes = fn(&[u8]) -> Result<Box<dyn std::any::Any + Send>, String>;
+pub(crate) type Decodes = fn(&[u8], FieldNames) -> Result<Box<dyn std::any::Any + Send>, String>;
 
 /// [`Decodes`] for `E`.
-pub(crate) fn decodes<E: IntegrationEvent>(body: &[u8]) -> Result<Box<dyn std::any::Any + Send>, String> {
-    decode::<E>(body).map(|event| Box::new(event) as Box<dyn std::any::Any + Send>)
+pub(crate) fn decodes<E: IntegrationEvent>(
+    body: &[u8],
+    names: FieldNames,
+) -> Result<Box<dyn std::any::Any + Send>, String> {
+    decode::<E>(body, names).map(|event| Box::new(event) as Box<dyn std::any::Any + Send>)
 }
 
 /// The event types handlers are registered for, by name, each with its
@@ -296,14 +323,15 @@ impl HandledTypes {
         self.find(name).is_some()
     }
 
-    /// `body` decoded into the type `name`, or why it does not decode;
-    /// `None` when no handler is registered for it.
+    /// `envelope`'s body decoded into the type `name`, or why it does not
+    /// decode; `None` when no handler is registered for it.
     pub(crate) fn decode(
         &self,
         name: &str,
-        body: &[u8],
+        envelope: &Envelope,
     ) -> Option<Result<Box<dyn std::any::Any + Send>, String>> {
-        self.find(name).map(|decodes| decodes(body))
+        self.find(name)
+            .map(|decodes| decodes(&envelope.body, FieldNames::of(envelope)))
     }
 
     fn find(&self, name: &str) -> Option<Decodes> {
@@ -331,7 +359,7 @@ async fn run_handlers<E: IntegrationEvent>(
         let event = envelope
             .decoded
             .take::<E>()
-            .map_or_else(|| decode(&envelope.body), Ok);
+            .map_or_else(|| decode(&envelope.body, FieldNames::of(envelope)), Ok);
         match event {
             Ok(event) => events.push(event),
             Err(reason) => {

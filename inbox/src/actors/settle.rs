@@ -238,7 +238,7 @@ impl Settler {
                 // A type without handlers is skipped in its transaction
                 // (which records the skip); one with handlers must decode,
                 // and its handlers take the event decoded here.
-                let known = match self.dialect.handled.decode(&envelope.event_type, &envelope.body) {
+                let known = match self.dialect.handled.decode(&envelope.event_type, &envelope) {
                     Some(Err(reason)) => Some(Outcome::Rejected {
                         stage: Stage::Deserialize,
                         reason,

@@ -1607,3 +1607,125 @@ async fn on_an_adopted_quorum_queue_a_crash_loop_is_set_aside_before_rabbitmq_4_
         "the start says which limit applies: {text}"
     );
 }
+
+/// A contract with a dictionary and an id MassTransit's PascalCase
+/// producers spell `ID`.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+struct Tagged {
+    id: i64,
+    tags: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+impl IntegrationEvent for Tagged {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:Tagged";
+}
+
+/// [`Tagged`], forwarded: a type of its own, so its exchange is this
+/// test's alone.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+struct TaggedCopy(Tagged);
+
+impl IntegrationEvent for TaggedCopy {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:TaggedCopy";
+}
+
+/// Keeps what it read; forwards it, or refuses id 7.
+#[derive(Default)]
+struct ForwardTagged {
+    read: Arc<Mutex<Vec<Tagged>>>,
+}
+
+impl EventHandler<Tagged> for ForwardTagged {
+    async fn handle(&self, event: &Tagged, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        self.read.lock().unwrap().push(event.clone());
+        if event.id == 7 {
+            return Err(Permanent::new("seven is refused").into());
+        }
+        uow.publish("", &inbox::Message::new(TaggedCopy(event.clone())))
+            .await?;
+        Ok(())
+    }
+}
+
+/// MassTransit matches a property to a field in any case and never
+/// changes a key or a value: the handler reads `ID` into `id`, a
+/// dictionary's keys stay as they were sent, and so does everything the
+/// message says in the `Fault<T>` and a follow-up.
+#[actix_rt::test]
+async fn a_messages_keys_reach_its_handler_fault_and_follow_up_as_they_were_sent() {
+    let mut env = TestEnv::new("mt_keys").await;
+    let (faults, copies) = (env.another_queue("faults"), env.another_queue("copies"));
+    let fault_exchange = inbox::internal::masstransit::fault_exchange(Tagged::TYPE);
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for (queue, exchange) in [(&faults, fault_exchange.as_str()), (&copies, TaggedCopy::TYPE)] {
+        inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
+            .await
+            .unwrap();
+        inbox::tools::bind_to_fanout(&channel, queue, exchange)
+            .await
+            .unwrap();
+    }
+    connection.close(200, "declared".into()).await.unwrap();
+    let handler = ForwardTagged::default();
+    let read = Arc::clone(&handler.read);
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(handler)
+        .start()
+        .await
+        .unwrap();
+    let message = |id: i64| format!(r#"{{"ID": {id}, "tags": {{"VIP": "yes", "EU": 1, "lower": "Keep"}}}}"#);
+    for key in [7, 8] {
+        let id = Uuid::now_v7();
+        publish_as_masstransit(
+            &env.queue,
+            id,
+            &envelope(id, Uuid::now_v7(), Tagged::TYPE, &message(key)),
+        )
+        .await;
+    }
+    wait_until("the fault and the follow-up", || async {
+        env.ready(&faults).await == 1 && env.ready(&copies).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+
+    let tags: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_value(serde_json::json!({"VIP": "yes", "EU": 1, "lower": "Keep"})).unwrap();
+    let mut seen = read.lock().unwrap().clone();
+    seen.sort_by_key(|tagged| tagged.id);
+    assert_eq!(
+        seen,
+        [7, 8].map(|id| Tagged {
+            id,
+            tags: tags.clone()
+        }),
+        "`ID` read into `id`, the dictionary's keys as sent"
+    );
+    let fault = env.take(&faults).await.expect("the fault");
+    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(
+        body["message"],
+        serde_json::from_str::<serde_json::Value>(&message(7)).unwrap(),
+        "the faulted message as it was sent"
+    );
+    let copy = env.take(&copies).await.expect("the follow-up");
+    let decoded = inbox::internal::masstransit::decode(&copy.properties, &copy.data, false).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"id": 8, "tags": {"VIP": "yes", "EU": 1, "lower": "Keep"}})
+    );
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for exchange in [fault_exchange.as_str(), TaggedCopy::TYPE] {
+        channel
+            .exchange_delete(exchange.into(), Default::default())
+            .await
+            .unwrap();
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}

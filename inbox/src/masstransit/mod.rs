@@ -6,6 +6,13 @@
 //! its file. Paths are under `src/`: `MassTransit.Abstractions/` (ABS),
 //! `MassTransit/` (MT), `Transports/MassTransit.RabbitMqTransport/` (RMQ).
 //! Nothing is taken from MassTransit 9.
+//!
+//! Beside this file: `any_case.rs`, reading a message's fields in any case
+//! as MassTransit's deserializer does.
+
+mod any_case;
+
+pub(crate) use any_case::from_slice as from_slice_any_case;
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -388,7 +395,7 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Incoming
     let owned = |text: Option<Cow<'_, str>>| text.map(Cow::into_owned);
     Ok(IncomingEnvelope {
         message_id,
-        message: camel_case_keys(message.get().as_bytes()),
+        message: message.get().as_bytes().to_vec(),
         context: Context {
             message_types,
             correlation_id: owned(envelope.text("correlationId")?),
@@ -397,62 +404,6 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Incoming
             source_address: owned(envelope.text("sourceAddress")?),
         },
     })
-}
-
-/// `message` with every object key's first letter in lower case, at any
-/// depth: what a contract type whose fields are camelCase (as MassTransit
-/// writes them) reads. MassTransit reads a message's properties in any case
-/// (`PropertyNameCaseInsensitive`), so a producer on the PascalCase naming
-/// policy reaches the same consumer; serde matches names exactly, so the
-/// names are brought to camelCase instead. A message with no key in upper
-/// case, the common one, is copied as it is, not parsed here.
-fn camel_case_keys(message: &[u8]) -> Vec<u8> {
-    // A key starts right after a quote; so does a string value, so this
-    // finds every message with a key in upper case, and some others.
-    let maybe_upper = message
-        .windows(2)
-        .any(|pair| pair[0] == b'"' && pair[1].is_ascii_uppercase());
-    if !maybe_upper {
-        return message.to_vec();
-    }
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(message) else {
-        // Not JSON: the handler's decoding says so.
-        return message.to_vec();
-    };
-    if !lower_first_letters(&mut value) {
-        return message.to_vec();
-    }
-    serde_json::to_vec(&value).unwrap_or_else(|_| message.to_vec())
-}
-
-/// Lowers the first letter of every object key in `value`; whether any
-/// changed.
-fn lower_first_letters(value: &mut serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::Object(map) => {
-            let mut changed = false;
-            let entries = std::mem::take(map);
-            for (key, mut inner) in entries {
-                changed |= lower_first_letters(&mut inner);
-                let key = match key.chars().next() {
-                    Some(first) if first.is_ascii_uppercase() => {
-                        changed = true;
-                        let mut lowered = String::with_capacity(key.len());
-                        lowered.push(first.to_ascii_lowercase());
-                        lowered.push_str(&key[1..]);
-                        lowered
-                    }
-                    _ => key,
-                };
-                map.insert(key, inner);
-            }
-            changed
-        }
-        serde_json::Value::Array(items) => items
-            .iter_mut()
-            .fold(false, |changed, item| lower_first_letters(item) | changed),
-        _ => false,
-    }
 }
 
 fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvelope, WireError> {
@@ -465,7 +416,7 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvel
     let types = header(headers::MESSAGE_TYPE).unwrap_or_default();
     Ok(IncomingEnvelope {
         message_id,
-        message: camel_case_keys(body),
+        message: body.to_vec(),
         context: Context {
             message_types: type_names(types.split(';')),
             correlation_id: header(headers::CORRELATION_ID).or_else(|| {
@@ -1065,8 +1016,8 @@ mod tests {
         let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         assert_eq!(
             message,
-            serde_json::json!({"attendeeId": 5, "nested": {"inner": [{"deep": 1}]}}),
-            "keys in camelCase at any depth, values as they were"
+            serde_json::json!({"AttendeeId": 5, "Nested": {"Inner": [{"Deep": 1}]}}),
+            "the message as it was sent: its fields are matched in any case when it is read"
         );
     }
 
@@ -1119,17 +1070,6 @@ mod tests {
                 .unwrap()
                 .starts_with("rrabbitmq://")
         );
-    }
-
-    #[test]
-    fn a_camel_case_message_is_copied_as_it_is_and_values_keep_their_case() {
-        let camel = br#"{"attendeeId": 5, "name": "Ada"}"#;
-        assert_eq!(camel_case_keys(camel), camel.to_vec());
-        // A value in upper case makes it look; nothing changes.
-        let value = br#"{"name": "Ada"}"#;
-        assert_eq!(camel_case_keys(value), value.to_vec());
-        assert_eq!(camel_case_keys(b"\"Ada\""), b"\"Ada\"".to_vec());
-        assert_eq!(camel_case_keys(b"not json \"A"), b"not json \"A".to_vec());
     }
 
     #[test]
