@@ -41,9 +41,13 @@
 //! `--masstransit-endpoint` too, the suite first declares the endpoint as
 //! MassTransit 8.5 does by default (`Q` and `Q_error` classic, without
 //! arguments, behind their exchanges, the check-in's exchange bound to `Q`'s):
-//! the service takes it over as it is, and the crash-looping message is set
-//! aside by the runtime's own count of its deliveries (`x-inbox-handler:
-//! delivery limit`), not by the broker.
+//! the service takes it over as it is. With `--masstransit-after`, the
+//! service declares the endpoint (as MassTransit would) and the suite then
+//! declares it again as MassTransit does, while the service runs, as a
+//! .NET consumer starting beside it or after it would. On MassTransit's
+//! wire the crash-looping message is set aside by the runtime's own count
+//! of its deliveries (`x-inbox-handler: delivery limit`), not by the
+//! broker: its queues limit none.
 //!
 //! With `--cluster` (run by `tests/cluster.sh run`, which starts the nodes
 //! and passes their URLs in `CLUSTER_AMQP_URLS`), the service and the suite
@@ -153,9 +157,6 @@ struct Suite {
     tls: bool,
     /// `--cluster`: the broker is a cluster of tests/cluster.sh.
     cluster: bool,
-    /// `--masstransit-endpoint`: the queues were declared first, as
-    /// MassTransit declares them (classic, no delivery limit).
-    masstransit_endpoint: bool,
     /// Cluster nodes SIGKILLed (and brought back).
     node_kills: usize,
 }
@@ -217,8 +218,12 @@ async fn run() -> Result<bool> {
         if wire != Wire::Masstransit {
             return Err(fail("--masstransit-endpoint goes with --wire masstransit"));
         }
-        declare_as_masstransit(&settings, &queue).await?;
+        declare_as_masstransit(&settings, &queue, false).await?;
         eprintln!("fault_suite: the endpoint was declared first, as MassTransit declares it (classic)");
+    }
+    let masstransit_after = std::env::args().any(|arg| arg == "--masstransit-after");
+    if masstransit_after && wire != Wire::Masstransit {
+        return Err(fail("--masstransit-after goes with --wire masstransit"));
     }
     let mut suite = Suite {
         started,
@@ -238,12 +243,23 @@ async fn run() -> Result<bool> {
         health: Vec::new(),
         tls,
         cluster,
-        masstransit_endpoint,
         node_kills: 0,
     };
     let mut child = suite.start_service()?;
     wait_for_queue(&suite.settings, &suite.queue).await?;
     suite.expect_ready("after the start").await;
+    if masstransit_after {
+        // A .NET consumer of the endpoint starts beside the service (or in
+        // its place, on a rollback): its declarations must all be taken.
+        declare_as_masstransit(&suite.settings, &suite.queue, true)
+            .await
+            .map_err(|e| {
+                fail(format!(
+                    "a MassTransit endpoint cannot start on the queues the service declared: {e}"
+                ))
+            })?;
+        suite.say("declared the endpoint again as MassTransit does, beside the running service");
+    }
 
     // Publish in the background, a little at a time, while the faults happen.
     let publishing = {
@@ -1252,9 +1268,10 @@ async fn check(
         (forwards.leaked == 0, "nothing refused or malformed was forwarded"),
         (
             poison_death.as_deref() == Some("delivery_limit")
-                && if suite.masstransit_endpoint {
-                    // The runtime sets it aside on its 20th delivery, the
-                    // 19 before it each a crash.
+                && if suite.wire == Wire::Masstransit {
+                    // MassTransit's queues limit no deliveries: the runtime
+                    // sets it aside on its 20th delivery, the 19 before it
+                    // each a crash.
                     suite.crashes == DELIVERY_LIMIT - 1
                 } else {
                     suite.crashes > DELIVERY_LIMIT
@@ -1321,7 +1338,7 @@ async fn check(
 /// (RabbitMqReceiveEndpointBuilder.cs, RabbitMqErrorSettings.cs): `Q` and
 /// `Q_error` classic and durable with no arguments, each behind a fanout
 /// exchange of its name, and the check-in's exchange bound to `Q`'s.
-async fn declare_as_masstransit(settings: &Settings, queue: &str) -> Result<()> {
+async fn declare_as_masstransit(settings: &Settings, queue: &str, skipped_too: bool) -> Result<()> {
     use inbox::tools::lapin::ExchangeKind;
     use inbox::tools::lapin::options::ExchangeDeclareOptions;
     let connection = connect(settings).await?;
@@ -1335,7 +1352,12 @@ async fn declare_as_masstransit(settings: &Settings, queue: &str) -> Result<()> 
         ..ExchangeDeclareOptions::default()
     };
     let error = Wire::Masstransit.error_queue(queue);
-    for name in [queue, error.as_str()] {
+    let skipped = Wire::Masstransit.skipped_queue(queue);
+    let mut names = vec![queue, error.as_str()];
+    if skipped_too {
+        names.push(skipped.as_str());
+    }
+    for name in names {
         channel
             .queue_declare(name.into(), durable, FieldTable::default())
             .await?;

@@ -19,6 +19,9 @@ suite --wire masstransit --batch-size 8
 # Once more on an endpoint MassTransit declared first: classic queues
 # without a delivery limit, taken over as they are.
 suite --wire masstransit --masstransit-endpoint
+# And on an endpoint the service declared first, declared again as
+# MassTransit does while the service runs: the way back stays open.
+suite --wire masstransit --masstransit-after
 # Once more over TLS on both connections, verified: a PostgreSQL that takes
 # TLS only and a RabbitMQ node with a TLS listener only.
 bash tests/tls_servers.sh start

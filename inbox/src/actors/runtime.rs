@@ -678,6 +678,7 @@ impl Drop for Runtime {
 /// Says, once at start, what sets aside a message that crashes the
 /// consumer at every delivery on `queue`, when the broker does not.
 fn say_what_guards(queue: &crate::QueueSettings, wire: crate::Wire, declared: &crate::amqp::Declared) {
+    use crate::amqp::EndpointForm;
     if declared.broker_limits_deliveries {
         return;
     }
@@ -696,11 +697,18 @@ fn say_what_guards(queue: &crate::QueueSettings, wire: crate::Wire, declared: &c
         "the runtime counts the deliveries the broker marks redelivered and moves a message to {error_queue} \
          on its delivery number {limit} ({which}) without running its handlers"
     );
-    match declared.adopted {
-        Some(adopted) => tracing::warn!(
+    match declared.endpoint {
+        // MassTransit's default form: what the wire declares unless told
+        // otherwise, nothing to warn of.
+        Some(form @ EndpointForm::Classic) => tracing::info!(
             queue = %queue.name,
-            "the queue exists with another client's arguments and is used as it is: {}; {instead}",
-            adopted.describe()
+            "the queue is in MassTransit's form: {}; {instead}",
+            form.describe()
+        ),
+        Some(form) => tracing::warn!(
+            queue = %queue.name,
+            "the queue is in MassTransit's form, or another client's, and is used as it is: {}; {instead}",
+            form.describe()
         ),
         None => tracing::info!(
             queue = %queue.name,

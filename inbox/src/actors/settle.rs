@@ -649,7 +649,20 @@ impl Settler {
             }
             _ => std::borrow::Cow::Borrowed(body),
         };
-        match self.forwarder.publish_raw(&queue, properties, &body).await {
+        // MassTransit's error transport publishes to the exchange of its
+        // error (or skipped) queue's name, with the original routing key
+        // (RMQ/RabbitMqTransport/RabbitMqMoveTransport.cs): what is bound
+        // there (a central error monitor) gets the copy too. The retry
+        // tiers are the runtime's own, reached by their name.
+        let published = match to {
+            Target::Exhausted | Target::Rejected | Target::Skipped if wire == Wire::Masstransit => {
+                self.forwarder
+                    .publish_to(&queue, delivery.routing_key.as_str(), properties, &body)
+                    .await
+            }
+            _ => self.forwarder.publish_raw(&queue, properties, &body).await,
+        };
+        match published {
             Ok(()) => {
                 self.ack(delivery, ticket).await;
                 self.count(counter);

@@ -28,7 +28,7 @@ mod topology;
 
 pub use publisher::AmqpPublisher;
 pub use replay::{ReplayReport, SetAside, replay, replay_on};
-pub(crate) use topology::Declared;
+pub(crate) use topology::{Declared, EndpointForm};
 pub use topology::{bind_to_fanout, declare_queue, declare_topology, declare_wire_topology};
 
 /// The content type of this library's wire: the body is the event as JSON.

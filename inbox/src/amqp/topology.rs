@@ -36,13 +36,15 @@ pub async fn declare_topology(
 pub struct Declared {
     /// Whether the broker dead-letters such a message to the error queue
     /// past `queues[].delivery_limit` deliveries: a quorum queue with the
-    /// runtime's arguments. Otherwise (a classic queue, or one another
-    /// client declared) the runtime counts the deliveries the broker marks
-    /// redelivered and sets the message aside itself.
+    /// runtime's arguments. Otherwise (a classic queue, or one in
+    /// MassTransit's form) the runtime counts the deliveries the broker
+    /// marks redelivered and sets the message aside itself.
     pub broker_limits_deliveries: bool,
-    /// An existing queue with other arguments than the runtime's, used as
-    /// it is (MassTransit's wire only): what it was found to be.
-    pub adopted: Option<Adopted>,
+    /// On MassTransit's wire, `Q` in the form a MassTransit endpoint
+    /// declares it (declared so now, or found so, and used as it is): which
+    /// form. `None` for the runtime's own arguments (this library's wire, or
+    /// a `Q` an earlier version declared on MassTransit's).
+    pub endpoint: Option<EndpointForm>,
 }
 
 /// The delivery limit RabbitMQ 4.0 to 4.2 give a quorum queue declared
@@ -62,18 +64,18 @@ impl Declared {
     ///
     /// [`broker_limits_deliveries`]: Self::broker_limits_deliveries
     pub fn delivery_limit(&self, configured: u32) -> u32 {
-        match self.adopted.and_then(Adopted::broker_delivery_limit) {
+        match self.endpoint.and_then(EndpointForm::broker_delivery_limit) {
             Some(broker) => configured.min(broker),
             None => configured,
         }
     }
 }
 
-/// An existing `Q` with arguments of another client's, as far as the
-/// runtime can tell them (AMQP has no way to read a queue's arguments: the
-/// runtime tries declaring it as MassTransit 8.5 would).
+/// `Q` as a MassTransit 8.5 receive endpoint declares it (AMQP has no way
+/// to read a queue's arguments: the runtime tells an existing queue's form
+/// by declaring it as MassTransit would).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Adopted {
+pub enum EndpointForm {
     /// Classic, no arguments: MassTransit's default receive endpoint
     /// (RMQ/RabbitMqTransport/Configuration/RabbitMqReceiveEndpointBuilder.cs,
     /// RabbitMqQueueConfigurator.cs: an empty argument table).
@@ -81,20 +83,26 @@ pub enum Adopted {
     /// `x-queue-type: quorum` alone: MassTransit's `SetQuorumQueue()`
     /// (RabbitMqQueueConfigurator.cs `SetQuorumQueue`).
     Quorum,
-    /// Some other arguments, unknown to the runtime.
+    /// An existing queue with some other arguments, unknown to the runtime.
     Other,
 }
 
-impl Adopted {
-    /// The arguments MassTransit declares `Q_error` and `Q_skipped` with
-    /// for such a `Q`: a copy of `Q`'s own (RMQ/RabbitMqTransport/Topology/
-    /// RabbitMqErrorSettings.cs, RabbitMqDeadLetterSettings.cs). `None`
+impl EndpointForm {
+    /// The form MassTransit declares a queue of `kind` in.
+    fn of(kind: QueueKind) -> Self {
+        match kind {
+            QueueKind::Classic => Self::Classic,
+            QueueKind::Quorum => Self::Quorum,
+        }
+    }
+
+    /// The queue arguments MassTransit declares this form with; `None`
     /// when unknown.
-    fn set_aside_arguments(self) -> Option<FieldTable> {
+    fn arguments(self) -> Option<FieldTable> {
         match self {
-            Adopted::Classic => Some(FieldTable::default()),
-            Adopted::Quorum => Some(quorum_type()),
-            Adopted::Other => None,
+            Self::Classic => Some(FieldTable::default()),
+            Self::Quorum => Some(quorum_type()),
+            Self::Other => None,
         }
     }
 
@@ -103,24 +111,24 @@ impl Adopted {
     /// unknown queue may be); none for a classic queue, on any version.
     fn broker_delivery_limit(self) -> Option<u32> {
         match self {
-            Adopted::Classic => None,
-            Adopted::Quorum | Adopted::Other => Some(RABBITMQ_4_QUORUM_DELIVERY_LIMIT),
+            Self::Classic => None,
+            Self::Quorum | Self::Other => Some(RABBITMQ_4_QUORUM_DELIVERY_LIMIT),
         }
     }
 
-    /// What the queue's kind leaves unguarded, for the start's log.
+    /// What the queue's form leaves unguarded, for the start's log.
     pub fn describe(self) -> &'static str {
         match self {
-            Adopted::Classic => {
+            Self::Classic => {
                 "a classic queue without arguments (as MassTransit declares one): the broker neither limits \
                  a message's deliveries nor dead-letters it"
             }
-            Adopted::Quorum => {
+            Self::Quorum => {
                 "a quorum queue without a delivery limit or dead-lettering (as MassTransit's SetQuorumQueue \
                  declares one): RabbitMQ 3.x redelivers a message without end, and RabbitMQ 4.x drops it \
                  after 20 deliveries"
             }
-            Adopted::Other => {
+            Self::Other => {
                 "a queue with arguments the runtime does not know: whether the broker limits a message's \
                  deliveries is unknown (a quorum queue on RabbitMQ 4.x without its own limit drops a \
                  message after 20 deliveries)"
@@ -129,18 +137,21 @@ impl Adopted {
     }
 }
 
-/// Declares the topology of `queue` for `wire` over `connection`, as
-/// [`declare_wire_topology`] does, and says what guards the queue.
+/// Declares the topology of `queue` for `wire` over `connection`, and says
+/// what guards the queue.
 ///
-/// On MassTransit's wire, a `Q` that exists with other arguments (declared
-/// by a MassTransit consumer, as a team moving one consumer to Rust finds
-/// it) is used as it is, never declared again with others: the broker
-/// would refuse (`PRECONDITION_FAILED`), and a MassTransit consumer still
-/// on the queue would then be refused in turn. `Q_error` and `Q_skipped`
-/// that exist are used as they are too; those that do not are declared as
-/// MassTransit would declare them for that `Q`, so that its tools and its
-/// consumers go on working beside the runtime. When nothing exists, the
-/// runtime's own queues are declared.
+/// On this library's wire, as [`declare_topology`] does.
+///
+/// On MassTransit's, what a MassTransit 8.5 receive endpoint with the same
+/// settings declares, so that a MassTransit consumer can start on the
+/// queue beside the service, or after it (a rollback): `Q` classic and
+/// durable without arguments (quorum, as `SetQuorumQueue()` declares it,
+/// only when `queues[].kind` asks for it), `Q_error` and `Q_skipped` with a
+/// copy of `Q`'s arguments, and their exchanges and bindings. A `Q`, `Q_error`
+/// or `Q_skipped` that exists already (a MassTransit consumer declared it,
+/// as a team moving one consumer to Rust finds it) is used as it is, never
+/// declared again with other arguments: the broker would refuse
+/// (`PRECONDITION_FAILED`). The retry tiers are the runtime's own.
 pub async fn declare_wire_topology(
     connection: &Connection,
     queue: &QueueSettings,
@@ -148,71 +159,116 @@ pub async fn declare_wire_topology(
     wire: Wire,
     message_types: &[&str],
 ) -> Result<Declared> {
-    let quorum = queue.kind == QueueKind::Quorum;
-    let adopted = match wire {
-        Wire::Inbox => None,
-        Wire::Masstransit => adopt(connection, queue).await?,
-    };
     let channel = connection.create_channel().await.map_err(Error::client)?;
-    match adopted {
-        None if wire == Wire::Inbox => declare_queues(&channel, queue, failure, wire, message_types).await?,
-        // `Q` is the runtime's (the first try declared it): so are its
-        // other queues, but for a `Q_error` or `Q_skipped` a MassTransit
-        // consumer declared before, used as it is.
-        None => {
-            declare_retry_tiers(&channel, queue, failure, wire).await?;
+    let declared = match wire {
+        Wire::Inbox => {
+            declare_queues(&channel, queue, failure, wire, message_types).await?;
+            Declared {
+                broker_limits_deliveries: queue.kind_on(wire) == QueueKind::Quorum,
+                endpoint: None,
+            }
+        }
+        Wire::Masstransit => {
+            let endpoint = declare_endpoint(connection, queue).await?;
+            let kind = match endpoint {
+                Some(EndpointForm::Classic) => QueueKind::Classic,
+                Some(EndpointForm::Quorum) => QueueKind::Quorum,
+                Some(EndpointForm::Other) => queue.kind_on(wire),
+                None => legacy_kind(queue),
+            };
+            declare_tiers_as_found(connection, queue, failure, kind).await?;
             for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
-                if !equivalent(connection, &set_aside, set_aside_arguments(queue.kind)).await? {
-                    tracing::info!(queue = %set_aside, "exists with another client's arguments; used as it is");
-                }
+                declare_set_aside(connection, queue, &set_aside, endpoint).await?;
             }
             declare_masstransit_exchanges(&channel, queue, wire, message_types).await?;
-        }
-        Some(shape) => {
-            declare_retry_tiers(&channel, queue, failure, wire).await?;
-            for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
-                if !exists(connection, &set_aside).await? {
-                    let Some(arguments) = shape.set_aside_arguments() else {
-                        return Err(Error::topology(
-                            set_aside,
-                            format!(
-                                "it does not exist, and `{}` has arguments the runtime does not know, so it \
-                                 cannot be declared as MassTransit would: declare it as MassTransit does (a \
-                                 copy of the queue's arguments) before starting",
-                                queue.name
-                            ),
-                        ));
-                    };
-                    declare(&channel, &set_aside, arguments).await?;
-                }
+            Declared {
+                broker_limits_deliveries: endpoint.is_none() && kind == QueueKind::Quorum,
+                endpoint,
             }
-            declare_masstransit_exchanges(&channel, queue, wire, message_types).await?;
         }
-    }
+    };
     let _ = channel.close(200, "declared".into()).await;
-    Ok(Declared {
-        broker_limits_deliveries: quorum && adopted.is_none(),
-        adopted,
-    })
+    Ok(declared)
 }
 
-/// On MassTransit's wire: `None` when `Q` is the runtime's (declared now,
-/// or earlier with the same arguments); otherwise what the existing `Q`
-/// was found to be. Each try is a declare on a channel of its own, since
-/// the broker closes the channel of a declare it refuses.
-async fn adopt(connection: &Connection, queue: &QueueSettings) -> Result<Option<Adopted>> {
-    if equivalent(connection, &queue.name, main_arguments(queue, Wire::Masstransit)).await? {
+/// On MassTransit's wire, `Q` declared as a MassTransit endpoint declares
+/// it, or, when it exists, found: its form, or `None` for the runtime's own
+/// arguments (an earlier version declared it so). Each try is a declare on
+/// a channel of its own, since the broker closes the channel of a declare
+/// it refuses.
+async fn declare_endpoint(connection: &Connection, queue: &QueueSettings) -> Result<Option<EndpointForm>> {
+    if !exists(connection, &queue.name).await? {
+        let form = EndpointForm::of(queue.kind_on(Wire::Masstransit));
+        let arguments = form.arguments().unwrap_or_default();
+        if equivalent(connection, &queue.name, arguments).await? {
+            return Ok(Some(form));
+        }
+        // Declared meanwhile by another client, with other arguments:
+        // told apart below like any that existed.
+    }
+    // The quorum form first: RabbitMQ 4 takes a declare without
+    // `x-queue-type` for a quorum queue, which would pass it for classic.
+    if equivalent(connection, &queue.name, quorum_type()).await? {
+        return Ok(Some(EndpointForm::Quorum));
+    }
+    let legacy = QueueSettings {
+        kind: Some(legacy_kind(queue)),
+        ..queue.clone()
+    };
+    if equivalent(
+        connection,
+        &queue.name,
+        main_arguments(&legacy, Wire::Masstransit),
+    )
+    .await?
+    {
         return Ok(None);
     }
-    // The quorum form first: RabbitMQ 4 may take a classic declare for a
-    // quorum queue.
-    if equivalent(connection, &queue.name, quorum_type()).await? {
-        return Ok(Some(Adopted::Quorum));
-    }
     if equivalent(connection, &queue.name, FieldTable::default()).await? {
-        return Ok(Some(Adopted::Classic));
+        return Ok(Some(EndpointForm::Classic));
     }
-    Ok(Some(Adopted::Other))
+    Ok(Some(EndpointForm::Other))
+}
+
+/// The kind earlier versions declared a `Q` of their own in on
+/// MassTransit's wire: this library's wire's default, unless set.
+fn legacy_kind(queue: &QueueSettings) -> QueueKind {
+    queue.kind_on(Wire::Inbox)
+}
+
+/// `Q_error` or `Q_skipped` on MassTransit's wire: used as it is when it
+/// exists; otherwise declared as MassTransit would for `Q`'s `endpoint`
+/// form (a copy of its arguments: RMQ/RabbitMqTransport/Topology/
+/// RabbitMqErrorSettings.cs, RabbitMqDeadLetterSettings.cs), or, beside a
+/// `Q` of the runtime's own arguments, with the runtime's.
+async fn declare_set_aside(
+    connection: &Connection,
+    queue: &QueueSettings,
+    set_aside: &str,
+    endpoint: Option<EndpointForm>,
+) -> Result<()> {
+    if exists(connection, set_aside).await? {
+        return Ok(());
+    }
+    let arguments = match endpoint {
+        None => set_aside_arguments(legacy_kind(queue)),
+        Some(form) => form.arguments().ok_or_else(|| {
+            Error::topology(
+                set_aside.to_owned(),
+                format!(
+                    "it does not exist, and `{}` has arguments the runtime does not know, so it cannot be \
+                     declared as MassTransit would: declare it as MassTransit does (a copy of the queue's \
+                     arguments) before starting",
+                    queue.name
+                ),
+            )
+        })?,
+    };
+    // Another client may declare it meanwhile, with its own arguments.
+    if !equivalent(connection, set_aside, arguments).await? {
+        tracing::info!(queue = %set_aside, "exists with another client's arguments; used as it is");
+    }
+    Ok(())
 }
 
 /// Declares `queue` with `arguments` on a channel of its own: `true` if it
@@ -268,9 +324,10 @@ fn quorum_type() -> FieldTable {
 /// `Q`'s arguments as the runtime declares it: its kind, dead-lettering to
 /// the error queue and, on a quorum queue, the delivery limit.
 fn main_arguments(queue: &QueueSettings, wire: Wire) -> FieldTable {
-    let mut main = base_arguments(queue.kind);
-    dead_letter_to(&mut main, queue.kind, &wire.error_queue(&queue.name));
-    limit(&mut main, queue.kind, queue.delivery_limit);
+    let kind = queue.kind_on(wire);
+    let mut main = base_arguments(kind);
+    dead_letter_to(&mut main, kind, &wire.error_queue(&queue.name));
+    limit(&mut main, kind, queue.delivery_limit);
     main
 }
 
@@ -327,31 +384,62 @@ async fn declare_queues(
     wire: Wire,
     message_types: &[&str],
 ) -> Result<()> {
+    let kind = queue.kind_on(wire);
     declare(channel, &queue.name, main_arguments(queue, wire)).await?;
-    declare_retry_tiers(channel, queue, failure, wire).await?;
+    for (i, delay) in failure.delays.iter().enumerate() {
+        declare(
+            channel,
+            &wire.retry_queue(&queue.name, i + 1),
+            tier_arguments(queue, *delay, kind),
+        )
+        .await?;
+    }
     for set_aside in [wire.error_queue(&queue.name), wire.skipped_queue(&queue.name)] {
-        declare(channel, &set_aside, set_aside_arguments(queue.kind)).await?;
+        declare(channel, &set_aside, set_aside_arguments(kind)).await?;
     }
     declare_masstransit_exchanges(channel, queue, wire, message_types).await
 }
 
-/// The retry tiers `Q.retry.<n>` (`Q_retry_<n>`): the runtime's own, each
-/// expiring its messages back to `Q` after its delay.
-async fn declare_retry_tiers(
-    channel: &Channel,
+/// A retry tier's arguments (`Q.retry.<n>`, `Q_retry_<n>`): the runtime's
+/// own queue, of `kind`, expiring its messages back to `Q` after `delay`.
+fn tier_arguments(queue: &QueueSettings, delay: std::time::Duration, kind: QueueKind) -> FieldTable {
+    let mut arguments = base_arguments(kind);
+    // Settings validation keeps every delay within 32 bits of milliseconds.
+    arguments.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(delay.as_millis() as i64),
+    );
+    dead_letter_to(&mut arguments, kind, &queue.name);
+    arguments
+}
+
+/// The retry tiers on MassTransit's wire, of `kind` (`Q`'s), or of the
+/// other kind where an earlier version declared them so (beside a `Q`
+/// MassTransit declared, earlier versions gave the tiers the settings'
+/// kind): each the runtime's own, whatever its kind.
+async fn declare_tiers_as_found(
+    connection: &Connection,
     queue: &QueueSettings,
     failure: &FailureSettings,
-    wire: Wire,
+    kind: QueueKind,
 ) -> Result<()> {
+    let other = match kind {
+        QueueKind::Classic => QueueKind::Quorum,
+        QueueKind::Quorum => QueueKind::Classic,
+    };
     for (i, delay) in failure.delays.iter().enumerate() {
-        let mut arguments = base_arguments(queue.kind);
-        // Settings validation keeps every delay within 32 bits of milliseconds.
-        arguments.insert(
-            "x-message-ttl".into(),
-            AMQPValue::LongLongInt(delay.as_millis() as i64),
-        );
-        dead_letter_to(&mut arguments, queue.kind, &queue.name);
-        declare(channel, &wire.retry_queue(&queue.name, i + 1), arguments).await?;
+        let tier = Wire::Masstransit.retry_queue(&queue.name, i + 1);
+        if !equivalent(connection, &tier, tier_arguments(queue, *delay, kind)).await?
+            && !equivalent(connection, &tier, tier_arguments(queue, *delay, other)).await?
+        {
+            return Err(Error::topology(
+                tier,
+                "exists with other arguments than a retry tier of these settings (its delay changed?): delete \
+                 it while the service is stopped (a retry tier holds only messages waiting out their delay: \
+                 move them to the queue first), and the start declares it anew"
+                    .to_owned(),
+            ));
+        }
     }
     Ok(())
 }

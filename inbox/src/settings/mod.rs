@@ -316,14 +316,29 @@ impl Default for DatabaseSettings {
 }
 
 /// What kind of RabbitMQ queue to declare.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueKind {
-    /// Replicated, durable; the default.
-    #[default]
+    /// Replicated, durable: the default on this library's wire.
     Quorum,
-    /// A durable classic queue.
+    /// A durable classic queue: the default on MassTransit's, as a
+    /// MassTransit receive endpoint declares its queue.
     Classic,
+}
+
+impl QueueKind {
+    /// The kind a queue is declared as when its settings name none: on
+    /// this library's wire a quorum queue (replicated, its deliveries
+    /// limited by the broker); on MassTransit's a classic queue without
+    /// arguments, as a MassTransit 8.5 receive endpoint declares it
+    /// (RabbitMqQueueConfigurator.cs), so that a MassTransit endpoint can
+    /// start on it beside the service or after it.
+    pub fn default_on(wire: Wire) -> Self {
+        match wire {
+            Wire::Inbox => Self::Quorum,
+            Wire::Masstransit => Self::Classic,
+        }
+    }
 }
 
 /// One `[[queues]]` entry.
@@ -340,9 +355,11 @@ pub struct QueueSettings {
     /// `prefetch`: how many deliveries may be in flight at once. Default 16.
     #[serde(default = "default_prefetch")]
     pub prefetch: u16,
-    /// `kind`: `quorum` or `classic`. Default `quorum`.
+    /// `kind`: `quorum` or `classic`. Default: `quorum` on this library's
+    /// wire, `classic` on MassTransit's ([`QueueKind::default_on`]); read
+    /// it through [`kind_on`](Self::kind_on).
     #[serde(default)]
-    pub kind: QueueKind,
+    pub kind: Option<QueueKind>,
     /// `batch_size`: group commit. At most this many deliveries that are
     /// ready together run in one transaction, with one commit: the handlers
     /// run on the whole batch
@@ -425,13 +442,18 @@ impl QueueSettings {
         self.batch_size.min(self.prefetch).max(1)
     }
 
+    /// The kind of queue declared on `wire`: `kind`, or the wire's default.
+    pub fn kind_on(&self, wire: Wire) -> QueueKind {
+        self.kind.unwrap_or(QueueKind::default_on(wire))
+    }
+
     /// A queue with default settings.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
             consumer: None,
             prefetch: default_prefetch(),
-            kind: QueueKind::default(),
+            kind: None,
             batch_size: default_batch_size(),
             concurrent_batches: default_concurrent_batches(),
             delivery_limit: default_delivery_limit(),

@@ -293,9 +293,9 @@ async fn a_queue_declared_with_other_arguments_is_one_startup_error_naming_it() 
     let env = TestEnv::new("topology_mismatch").await;
     let mut settings = env.settings();
     // The queue exists as a classic queue; the settings say quorum.
-    settings.queues[0].kind = inbox::QueueKind::Classic;
+    settings.queues[0].kind = Some(inbox::QueueKind::Classic);
     declare(&settings).await;
-    settings.queues[0].kind = inbox::QueueKind::Quorum;
+    settings.queues[0].kind = Some(inbox::QueueKind::Quorum);
 
     let error = match Runtime::builder(settings.valid()).handler(Count).start().await {
         Ok(_) => panic!("the runtime started over a mismatched queue"),
@@ -428,7 +428,7 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
     let env = TestEnv::new("replay_delivery_limit").await;
     let mut settings = env.settings();
     // A classic queue: the runtime counts its deliveries itself.
-    settings.queues[0].kind = inbox::QueueKind::Classic;
+    settings.queues[0].kind = Some(inbox::QueueKind::Classic);
     settings.queues[0].delivery_limit = 3;
     declare(&settings).await;
 

@@ -991,8 +991,7 @@ async fn an_endpoint_masstransit_declared_is_taken_over_as_it_is_and_its_waiting
     }
     let text = log.text();
     assert!(
-        text.contains("exists with another client's arguments")
-            && text.contains("classic queue without arguments"),
+        text.contains("in MassTransit's form") && text.contains("classic queue without arguments"),
         "the start says what it took over and what guards it: {text}"
     );
     for queue in [
@@ -1727,5 +1726,119 @@ async fn a_messages_keys_reach_its_handler_fault_and_follow_up_as_they_were_sent
             .await
             .unwrap();
     }
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+/// The way back: on an empty vhost the service declares what a default
+/// MassTransit endpoint declares, so that a MassTransit consumer of the
+/// queue starts on it after the service (a rollback) or beside it; and
+/// what it sets aside reaches whatever is bound to the exchanges `Q_error`
+/// and `Q_skipped`, as MassTransit's error transport publishes there.
+#[actix_rt::test]
+async fn a_masstransit_endpoint_starts_on_the_queues_the_service_declared_and_monitors_get_every_copy() {
+    /// A type of this test's alone: its exchange is shared by whoever
+    /// binds it.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Returned {
+        key: i64,
+    }
+    impl IntegrationEvent for Returned {
+        const TYPE: &'static str = "Inbox.Tests.MassTransit:Returned";
+    }
+    /// Counts each key; refuses 7.
+    struct CountReturned;
+    impl EventHandler<Returned> for CountReturned {
+        async fn handle(&self, event: &Returned, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+            if event.key == 7 {
+                return Err(Permanent::new("key 7 is refused").into());
+            }
+            increment(uow, "counts", event.key).await
+        }
+    }
+    let mut env = TestEnv::new("mt_way_back").await;
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    let skipped_queue = Wire::Masstransit.skipped_queue(&env.queue);
+    // A central error monitor, bound before any failure.
+    let (error_monitor, skipped_monitor) = (
+        env.another_queue("error_monitor"),
+        env.another_queue("skipped_monitor"),
+    );
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for (monitor, exchange) in [(&error_monitor, &error_queue), (&skipped_monitor, &skipped_queue)] {
+        inbox::tools::declare_queue(&channel, monitor, inbox::QueueKind::Classic)
+            .await
+            .unwrap();
+        inbox::tools::bind_to_fanout(&channel, monitor, exchange)
+            .await
+            .unwrap();
+    }
+    connection.close(200, "declared".into()).await.unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(CountReturned)
+        .start()
+        .await
+        .unwrap();
+    let (done, refused, unknown) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let refused_body = envelope(refused, Uuid::now_v7(), Returned::TYPE, r#"{"key": 7}"#);
+    let unknown_body = envelope(unknown, Uuid::now_v7(), "Inbox.Tests.MassTransit:Unknown", "{}");
+    publish_as_masstransit(
+        Returned::TYPE,
+        done,
+        &envelope(done, Uuid::now_v7(), Returned::TYPE, r#"{"key": 1}"#),
+    )
+    .await;
+    publish_as_masstransit(&env.queue, refused, &refused_body).await;
+    publish_as_masstransit(&env.queue, unknown, &unknown_body).await;
+    wait_until("one done, one refused, one skipped", || async {
+        let s = runtime.stats();
+        s.completed == 1 && s.rejected == 1 && s.skipped == 1
+    })
+    .await;
+    runtime.shutdown().await;
+
+    // Each copy in its queue, and in the monitor bound to its exchange.
+    for (queue, monitor, body) in [
+        (&error_queue, &error_monitor, &refused_body),
+        (&skipped_queue, &skipped_monitor, &unknown_body),
+    ] {
+        for from in [queue, monitor] {
+            let copy = env.take(from).await.unwrap_or_else(|| panic!("a copy in {from}"));
+            assert_eq!(copy.data, body.as_bytes(), "{from}");
+            assert_eq!(
+                copy.routing_key.as_str(),
+                "",
+                "the original routing key, in {from}"
+            );
+        }
+    }
+
+    // The rollback: MassTransit's endpoint declares its queues, exchanges
+    // and bindings with its defaults, and every declaration is taken.
+    declare_as_masstransit(&env.queue, &[Returned::TYPE]).await;
+    for queue in [&env.queue, &error_queue, &skipped_queue] {
+        assert!(
+            still_without_arguments(queue).await,
+            "{queue} is as a MassTransit endpoint declares it"
+        );
+    }
+    // Its consumer gets what producers publish from now on.
+    let next = Uuid::now_v7();
+    publish_as_masstransit(
+        Returned::TYPE,
+        next,
+        &envelope(next, Uuid::now_v7(), Returned::TYPE, r#"{"key": 2}"#),
+    )
+    .await;
+    wait_until("the next message waits in Q for the .NET consumer", || async {
+        env.ready(&env.queue).await == 1
+    })
+    .await;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(Returned::TYPE.into(), Default::default())
+        .await
+        .unwrap();
     connection.close(200, "done".into()).await.unwrap();
 }
