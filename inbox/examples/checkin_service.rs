@@ -32,8 +32,11 @@
 //! `--forward-to F`, F is bound to the fanout exchange
 //! `Conference.Contracts:CheckinRecorded`, and each check-in stages one
 //! `CheckinRecorded` envelope (`{"attendeeId", "sessionId",
-//! "sourceMessageId"}`, its `initiatorId` the handled `messageId`, its
-//! `conversationId` carried over).
+//! "sourceMessageId"}`) with what a MassTransit consumer's follow-up
+//! gets: the handled envelope's headers but MassTransit's own (`MT-`), its
+//! `initiatorId` the handled `correlationId` (else `requestId`), its
+//! `conversationId` carried over, no `correlationId`, and the trace as
+//! `MT-Activity-Id` and `traceparent`).
 //!
 //! `--http ADDR` (`127.0.0.1:9464`, say) serves, with actix-web on the
 //! runtime's own actix system:

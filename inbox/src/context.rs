@@ -100,6 +100,16 @@ impl MessageContext {
         Headers(&self.envelope.headers)
     }
 
+    /// The AMQP headers, as the runtime reads them.
+    pub(crate) fn amqp_headers(&self) -> &FieldTable {
+        &self.envelope.headers
+    }
+
+    /// With MassTransit's wire, what its envelope (or raw headers) said.
+    pub(crate) fn masstransit(&self) -> Option<&crate::masstransit::Context> {
+        self.envelope.masstransit.as_ref()
+    }
+
     /// The headers a follow-up of this message carries: its correlation id
     /// (or, for the first message of a flow, its own id) and its id as the
     /// causation id.

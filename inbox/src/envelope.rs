@@ -177,7 +177,7 @@ impl Envelope {
             .cloned()
             .unwrap_or_default();
         let headers = properties.headers().clone().unwrap_or_default();
-        let trace = TraceContext::from_headers(&headers);
+        let trace = crate::masstransit::trace_of(&decoded.context, &headers);
         // The body as it came stays where it was: a copy set aside must be
         // the message MassTransit sent.
         Ok(Self {

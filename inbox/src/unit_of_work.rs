@@ -337,8 +337,10 @@ impl UnitOfWork {
     /// Staged while a message is handled ([`context`](Self::context): in
     /// `handle`, whatever the batch size), the follow-up carries its
     /// `correlation_id` (or its id, for the first of a flow), its id as
-    /// `causation_id` and its trace (on MassTransit's wire, its conversation
-    /// and initiator ids too). In an overridden `handle_batch`, which
+    /// `causation_id` and its trace; on MassTransit's wire, what a
+    /// MassTransit consumer's follow-up gets instead (its headers but
+    /// MassTransit's own, its conversation, its correlation id as the
+    /// initiator, the trace: docs/masstransit.md). In an overridden `handle_batch`, which
     /// handles several messages at once, it fails with a usage error: name
     /// the cause with [`publish_caused_by`](Self::publish_caused_by).
     pub async fn publish<E: IntegrationEvent>(
@@ -582,7 +584,6 @@ fn outgoing<E: IntegrationEvent>(
     routing_key: &str,
     message: &Message<E>,
 ) -> Result<Outgoing> {
-    let headers = follow_up_headers(cause);
     let Some(outbox) = outbox else {
         return Err(Error::new(
             crate::ErrorKind::Usage,
@@ -594,14 +595,17 @@ fn outgoing<E: IntegrationEvent>(
         ));
     };
     let json = message.to_json()?;
-    let (exchange, body) = match outbox.wire {
-        Wire::Inbox => (outbox.exchange.to_string(), json),
+    let trace = TraceContext::current(cause.and_then(|cause| cause.trace.as_ref()));
+    let (exchange, headers, body) = match outbox.wire {
+        Wire::Inbox => (outbox.exchange.to_string(), follow_up_headers(cause, trace), json),
         // MassTransit publishes to the type's own fanout exchange, in
-        // its envelope.
-        Wire::Masstransit => (
-            E::TYPE.to_owned(),
-            crate::masstransit::envelope_now(message.id, E::TYPE, &json, cause)?,
-        ),
+        // its envelope, with what its consumers carry on.
+        Wire::Masstransit => {
+            let headers = crate::masstransit::follow_up_headers(cause, trace.as_ref());
+            let envelope =
+                crate::masstransit::envelope_now(message.id, E::TYPE, &json, cause, headers.envelope)?;
+            (E::TYPE.to_owned(), headers.amqp, envelope)
+        }
     };
     let outgoing = Outgoing {
         message_id: message.id,
@@ -621,15 +625,16 @@ fn outgoing<E: IntegrationEvent>(
     Ok(outgoing)
 }
 
-/// The headers of a message staged now, as a follow-up of `cause` if any:
-/// its correlation and causation ids, and the trace context, which goes on
-/// with the row however late it is dispatched.
-fn follow_up_headers(cause: Option<&MessageContext>) -> Vec<(String, String)> {
+/// The headers of a message staged now on this library's wire, as a
+/// follow-up of `cause` if any: its correlation and causation ids, and the
+/// trace context (`trace`), which goes on with the row however late it is
+/// dispatched.
+fn follow_up_headers(cause: Option<&MessageContext>, trace: Option<TraceContext>) -> Vec<(String, String)> {
     let mut headers: Vec<(String, String)> = Vec::new();
     if let Some(cause) = cause {
         headers.extend(cause.follow_up_headers().map(|(k, v)| (k.to_owned(), v)));
     }
-    if let Some(trace) = TraceContext::current(cause.and_then(|cause| cause.trace.as_ref())) {
+    if let Some(trace) = trace {
         headers.extend(trace.headers().map(|(k, v)| (k.to_owned(), v)));
     }
     headers

@@ -303,7 +303,8 @@ impl AmqpPublisher {
                 self.publish_raw(routing_key, properties, &json).await
             }
             Wire::Masstransit => {
-                let envelope = crate::masstransit::envelope_now(message.id, E::TYPE, &json, None)?;
+                let envelope =
+                    crate::masstransit::envelope_now(message.id, E::TYPE, &json, None, Default::default())?;
                 let properties = crate::masstransit::properties(message.id);
                 self.publish_to_subscribers(E::TYPE, &[], properties, &envelope)
                     .await

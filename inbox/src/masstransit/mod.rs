@@ -103,8 +103,15 @@ pub mod headers {
     pub(crate) const CORRELATION_ID: &str = "CorrelationId";
     /// Raw JSON: the conversation id.
     pub(crate) const CONVERSATION_ID: &str = "ConversationId";
+    /// Raw JSON: the request id.
+    pub(crate) const REQUEST_ID: &str = "RequestId";
     /// Raw JSON: the initiator id.
     pub(crate) const INITIATOR_ID: &str = "MT-InitiatorId";
+    /// The trace context of the activity that sent it: its W3C id,
+    /// `00-<trace id>-<span id>-<flags>`, in the envelope's and the AMQP
+    /// headers (MT/Logging/Diagnostics/DiagnosticHeaders.cs `ActivityId`,
+    /// LogContextActivityExtensions.cs).
+    pub(crate) const ACTIVITY_ID: &str = "MT-Activity-Id";
     /// Raw JSON: the source address.
     pub(crate) const SOURCE_ADDRESS: &str = "MT-Source-Address";
     /// Raw JSON: the message types, URNs joined by `;`.
@@ -190,6 +197,15 @@ pub struct Context {
     pub initiator_id: Option<String>,
     /// The address of the endpoint that sent it, if any.
     pub source_address: Option<String>,
+    /// Its request id, if any.
+    pub request_id: Option<String>,
+    /// The envelope's `headers` object, as its JSON text: what
+    /// MassTransit's consumers read as the message's headers. `None` when
+    /// absent, `null` or empty, and for raw JSON, whose headers are its
+    /// AMQP headers.
+    pub headers: Option<String>,
+    /// Whether it came as raw JSON (its metadata in AMQP headers).
+    pub raw: bool,
 }
 
 /// Why a delivery is not a MassTransit message.
@@ -286,8 +302,10 @@ struct CamelEnvelope<'a> {
     message_type: Option<Vec<&'a str>>,
     #[serde(borrow)]
     message: Option<&'a RawValue>,
-    #[serde(default)]
-    request_id: serde::de::IgnoredAny,
+    #[serde(borrow)]
+    request_id: Option<&'a str>,
+    #[serde(borrow)]
+    headers: Option<&'a RawValue>,
     #[serde(default)]
     destination_address: serde::de::IgnoredAny,
     #[serde(default)]
@@ -298,8 +316,6 @@ struct CamelEnvelope<'a> {
     expiration_time: serde::de::IgnoredAny,
     #[serde(default)]
     sent_time: serde::de::IgnoredAny,
-    #[serde(default)]
-    headers: serde::de::IgnoredAny,
     #[serde(default)]
     host: serde::de::IgnoredAny,
 }
@@ -324,6 +340,7 @@ impl<'a> EnvelopeFields<'a> {
                 "conversationId" => envelope.conversation_id,
                 "initiatorId" => envelope.initiator_id,
                 "sourceAddress" => envelope.source_address,
+                "requestId" => envelope.request_id,
                 _ => None,
             }
             .map(Cow::Borrowed)),
@@ -350,6 +367,15 @@ impl<'a> EnvelopeFields<'a> {
             Self::Camel(envelope) => envelope.message,
             Self::AnyCase(_) => self.get("message"),
         }
+    }
+
+    /// The `headers` object's text, `None` when absent, `null` or empty.
+    fn headers(&self) -> Option<&'a RawValue> {
+        match self {
+            Self::Camel(envelope) => envelope.headers.filter(|h| h.get() != "null"),
+            Self::AnyCase(_) => self.get("headers"),
+        }
+        .filter(|h| !h.get().trim_start_matches('{').trim_start().starts_with('}'))
     }
 
     /// Field `name` in any case, `None` when absent or `null` (read by
@@ -402,6 +428,9 @@ fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<Incoming
             conversation_id: owned(envelope.text("conversationId")?),
             initiator_id: owned(envelope.text("initiatorId")?),
             source_address: owned(envelope.text("sourceAddress")?),
+            request_id: owned(envelope.text("requestId")?),
+            headers: envelope.headers().map(|h| h.get().to_owned()),
+            raw: false,
         },
     })
 }
@@ -428,6 +457,9 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvel
             conversation_id: header(headers::CONVERSATION_ID),
             initiator_id: header(headers::INITIATOR_ID),
             source_address: header(headers::SOURCE_ADDRESS),
+            request_id: header(headers::REQUEST_ID),
+            headers: None,
+            raw: true,
         },
     })
 }
@@ -794,19 +826,21 @@ pub(crate) struct OutgoingEnvelope<'a> {
     pub conversation_id: Uuid,
     /// Its correlation id, if any.
     pub correlation_id: Option<&'a str>,
-    /// The message that caused it, if any.
-    pub initiator_id: Option<Uuid>,
+    /// What initiated it, if anything: a GUID's text.
+    pub initiator_id: Option<&'a str>,
     /// The address of the endpoint sending it.
     pub source_address: Option<&'a str>,
     /// The address of the exchange it goes to.
     pub destination_address: Option<&'a str>,
     /// When it was sent, ISO 8601 in UTC.
     pub sent_time: &'a str,
+    /// Its headers.
+    pub headers: serde_json::Map<String, serde_json::Value>,
 }
 
 /// The JSON envelope of `outgoing`, as MassTransit writes one: every
-/// field, `null` when unset, ids as lowercase hyphenated GUIDs. A
-/// correlation id that is not a GUID (carried from an incoming
+/// field, `null` when unset, ids as lowercase hyphenated GUIDs. An id that
+/// is not a GUID (a correlation id carried from an incoming
 /// `correlation_id` such as `order-42`) is left out: a MassTransit consumer
 /// would throw on it.
 pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_json::Error> {
@@ -816,7 +850,7 @@ pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_j
         request_id: None,
         correlation_id: guid(outgoing.correlation_id),
         conversation_id: Some(outgoing.conversation_id.to_string()),
-        initiator_id: outgoing.initiator_id.map(|id| id.to_string()),
+        initiator_id: guid(outgoing.initiator_id),
         source_address: outgoing.source_address.map(str::to_owned),
         destination_address: outgoing.destination_address.map(str::to_owned),
         response_address: None,
@@ -825,39 +859,183 @@ pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_j
         message: Some(message),
         expiration_time: None,
         sent_time: Some(outgoing.sent_time.to_owned()),
-        headers: serde_json::Map::new(),
+        headers: outgoing.headers.clone(),
         host: None,
     };
     serde_json::to_vec(&envelope)
 }
 
 /// The envelope of a message sent now, as a follow-up of `cause` if it is
-/// one: its conversation carried over (or a new one), the handled message
-/// as its initiator, its correlation id carried over, the queue it was
-/// consumed from as the source.
+/// one, with `headers` (see [`follow_up_headers`]). What a message sent from
+/// a MassTransit consumer gets (ABS/Contexts/SendContextExtensions.cs
+/// `TransferConsumeContextHeaders`): the consumed message's conversation
+/// (or a new one), its correlation id as the initiator (else its request
+/// id), the queue it was consumed from as the source; no correlation id,
+/// which is the message's own.
 pub(crate) fn envelope_now(
     message_id: Uuid,
     message_type: &'static str,
     json: &[u8],
     cause: Option<&crate::MessageContext>,
+    headers: serde_json::Map<String, serde_json::Value>,
 ) -> crate::Result<Vec<u8>> {
     let conversation_id = cause
         .and_then(|c| c.conversation_id.as_deref())
         .and_then(|id| Uuid::try_parse(id).ok())
         .unwrap_or_else(Uuid::now_v7);
+    let initiator_id = cause.and_then(|c| {
+        guid(c.correlation_id.as_deref())
+            .or_else(|| guid(c.masstransit().and_then(|m| m.request_id.as_deref())))
+    });
     let sent_time = humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string();
     let envelope = OutgoingEnvelope {
         message_id,
         message_type,
         message: json,
         conversation_id,
-        correlation_id: cause.and_then(|c| c.correlation_id.as_deref()),
-        initiator_id: cause.map(|c| c.message_id),
+        correlation_id: None,
+        initiator_id: initiator_id.as_deref(),
         source_address: cause.and_then(|c| c.input_address()),
         destination_address: None,
         sent_time: &sent_time,
+        headers,
     };
     encode(&envelope).map_err(|source| crate::Error::serialize(message_type, source))
+}
+
+/// The most bytes of a consumed message's headers a follow-up copies into
+/// its AMQP headers (all of them go into its envelope, which MassTransit's
+/// consumers read): the consumed ones came within the broker's frame, and
+/// with the follow-up's own they must stay within
+/// [`MAX_PROPERTIES_BYTES`](crate::limits::MAX_PROPERTIES_BYTES).
+const MAX_TRANSFERRED_AMQP_BYTES: usize = 16 * 1024;
+
+/// A follow-up's headers, in its envelope and as AMQP headers.
+#[derive(Debug, Default)]
+pub(crate) struct FollowUpHeaders {
+    /// For the envelope's `headers`, values as they were.
+    pub envelope: serde_json::Map<String, serde_json::Value>,
+    /// For the AMQP headers, as text.
+    pub amqp: Vec<(String, String)>,
+}
+
+/// The headers of a message published as a follow-up of `cause`, as
+/// MassTransit gives them (`TransferConsumeContextHeaders`): every header
+/// of the consumed message but MassTransit's own (`MT-`), then the trace,
+/// as `MT-Activity-Id` and W3C's `traceparent`/`tracestate`, so that it
+/// continues in .NET and in Rust. A raw message's AMQP headers are its
+/// headers; of those, its metadata (ids, read into its context) and what
+/// describes the consumed copy's past (this library's `x-inbox-*` failure
+/// headers, the broker's `x-death`) are not carried.
+pub(crate) fn follow_up_headers(
+    cause: Option<&crate::MessageContext>,
+    trace: Option<&crate::TraceContext>,
+) -> FollowUpHeaders {
+    let mut headers = FollowUpHeaders::default();
+    if let Some(context) = cause.and_then(crate::MessageContext::masstransit) {
+        let consumed = match (&context.headers, context.raw) {
+            (Some(json), _) => serde_json::from_str(json).unwrap_or_default(),
+            (None, true) => cause.map_or_else(serde_json::Map::new, |c| amqp_as_json(c.amqp_headers())),
+            (None, false) => serde_json::Map::new(),
+        };
+        let mut budget = MAX_TRANSFERRED_AMQP_BYTES;
+        for (key, value) in consumed {
+            if !transferred(&key, context.raw) {
+                continue;
+            }
+            let text = match &value {
+                serde_json::Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            if key.len() <= crate::limits::MAX_NAME_BYTES && key.len() + text.len() <= budget {
+                budget -= key.len() + text.len();
+                headers.amqp.push((key.clone(), text));
+            }
+            headers.envelope.insert(key, value);
+        }
+    }
+    if let Some(trace) = trace {
+        let own =
+            std::iter::once((headers::ACTIVITY_ID, trace.traceparent().to_owned())).chain(trace.headers());
+        for (key, value) in own {
+            headers.amqp.retain(|(k, _)| k != key);
+            headers.amqp.push((key.to_owned(), value.clone()));
+            headers
+                .envelope
+                .insert(key.to_owned(), serde_json::Value::String(value));
+        }
+    }
+    headers
+}
+
+/// Whether a consumed message's header `key` goes on to its follow-ups.
+fn transferred(key: &str, raw: bool) -> bool {
+    if key.starts_with("MT-") {
+        return false;
+    }
+    if !raw {
+        return true;
+    }
+    let metadata = [
+        headers::MESSAGE_ID,
+        headers::CORRELATION_ID,
+        headers::CONVERSATION_ID,
+        headers::REQUEST_ID,
+    ];
+    !(metadata.contains(&key)
+        || key.starts_with("x-inbox-")
+        || key == "x-death"
+        || key.starts_with("x-first-death-")
+        || key.starts_with("x-last-death-"))
+}
+
+/// A raw message's AMQP headers as JSON values: text, numbers and flags
+/// as they are; what JSON has no form for (tables, arrays, bytes) left out.
+fn amqp_as_json(headers: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
+    headers
+        .inner()
+        .iter()
+        .filter_map(|(key, value)| {
+            let value = match value {
+                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned().into(),
+                AMQPValue::ShortString(s) => s.as_str().into(),
+                AMQPValue::Boolean(b) => (*b).into(),
+                AMQPValue::ShortShortInt(n) => (*n).into(),
+                AMQPValue::ShortShortUInt(n) => (*n).into(),
+                AMQPValue::ShortInt(n) => (*n).into(),
+                AMQPValue::ShortUInt(n) => (*n).into(),
+                AMQPValue::LongInt(n) => (*n).into(),
+                AMQPValue::LongUInt(n) => (*n).into(),
+                AMQPValue::LongLongInt(n) => (*n).into(),
+                AMQPValue::Timestamp(n) => (*n).into(),
+                AMQPValue::Float(n) => f64::from(*n).into(),
+                AMQPValue::Double(n) => (*n).into(),
+                _ => return None,
+            };
+            Some((key.as_str().to_owned(), value))
+        })
+        .collect()
+}
+
+/// The trace context a MassTransit message carries: its `MT-Activity-Id`
+/// (in the AMQP headers, else the envelope's), else W3C's `traceparent`
+/// (a producer of this library's). `MT-Activity-Id` first: a .NET consumer
+/// carries a `traceparent` it received on to its follow-ups as any other
+/// header, while its `MT-Activity-Id` is its own.
+pub(crate) fn trace_of(context: &Context, amqp: &FieldTable) -> Option<crate::TraceContext> {
+    let from_amqp = text(amqp, headers::ACTIVITY_ID);
+    let from_envelope = || {
+        let json = context.headers.as_deref()?;
+        if !json.contains(headers::ACTIVITY_ID) {
+            return None;
+        }
+        let headers: serde_json::Map<String, serde_json::Value> = serde_json::from_str(json).ok()?;
+        headers.get(headers::ACTIVITY_ID)?.as_str().map(str::to_owned)
+    };
+    from_amqp
+        .or_else(from_envelope)
+        .and_then(|id| crate::TraceContext::parse(&id, None))
+        .or_else(|| crate::TraceContext::from_headers(amqp))
 }
 
 /// The AMQP properties of an envelope with id `message_id`, as MassTransit
@@ -1103,17 +1281,18 @@ mod tests {
 
     #[test]
     fn an_encoded_envelope_has_every_field_masstransit_writes_and_decodes_back() {
-        let (id, conversation, initiator) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let (id, conversation, initiator) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7().to_string());
         let outgoing = OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
             message: br#"{"attendeeId":1,"sessionId":2}"#,
             conversation_id: conversation,
             correlation_id: None,
-            initiator_id: Some(initiator),
+            initiator_id: Some(&initiator),
             source_address: Some("rabbitmq://localhost/checkins"),
             destination_address: Some("rabbitmq://localhost/Conference.Contracts:CheckinRecorded"),
             sent_time: "2026-12-04T03:00:00.000000Z",
+            headers: serde_json::Map::new(),
         };
         let encoded = encode(&outgoing).unwrap();
         let json: serde_json::Value = serde_json::from_slice(&encoded).unwrap();
@@ -1281,16 +1460,18 @@ mod tests {
     #[test]
     fn a_follow_up_carries_only_guids_for_ids_as_masstransit_reads_them() {
         let id = Uuid::now_v7();
+        let initiator = id.to_string();
         let outgoing = |correlation_id| OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
             message: br#"{"attendeeId": 1}"#,
             conversation_id: id,
             correlation_id,
-            initiator_id: Some(id),
+            initiator_id: Some(&initiator),
             source_address: None,
             destination_address: None,
             sent_time: "2026-12-04T03:00:00.000000Z",
+            headers: serde_json::Map::new(),
         };
         let read = |encoded: Vec<u8>| {
             decode(&envelope_properties(None), &encoded, false)
@@ -1303,6 +1484,29 @@ mod tests {
         let guid = Uuid::now_v7().to_string();
         let context = read(encode(&outgoing(Some(&guid))).unwrap());
         assert_eq!(context.correlation_id, Some(guid));
+    }
+
+    #[test]
+    fn a_follow_up_carries_every_header_but_masstransits_and_a_raw_messages_metadata() {
+        for key in ["tenant", "traceparent", "x-custom", "MessageId", "x-inbox-reason"] {
+            assert!(transferred(key, false), "{key} from an envelope");
+        }
+        for key in ["MT-Activity-Id", "MT-Redelivery-Count", "MT-Host-MachineName"] {
+            assert!(!transferred(key, false), "{key}");
+            assert!(!transferred(key, true), "{key}");
+        }
+        assert!(transferred("tenant", true));
+        for key in [
+            "MessageId",
+            "CorrelationId",
+            "ConversationId",
+            "RequestId",
+            "x-inbox-attempts",
+            "x-death",
+            "x-first-death-queue",
+        ] {
+            assert!(!transferred(key, true), "{key} from a raw message");
+        }
     }
 
     #[test]

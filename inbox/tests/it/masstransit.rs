@@ -56,11 +56,24 @@ impl EventHandler<Counted> for CountAndRemember {
 /// An envelope in the shape MassTransit 8.5 writes (the captured one of
 /// `inbox::internal::masstransit`'s tests), for `message_type` with `message`.
 fn envelope(id: Uuid, conversation: Uuid, message_type: &str, message: &str) -> String {
+    envelope_with(id, conversation, message_type, message, None, "{}")
+}
+
+/// [`envelope`] with a `correlationId` and `headers` (a JSON object).
+fn envelope_with(
+    id: Uuid,
+    conversation: Uuid,
+    message_type: &str,
+    message: &str,
+    correlation: Option<Uuid>,
+    headers: &str,
+) -> String {
+    let correlation = correlation.map_or_else(|| "null".to_owned(), |c| format!(r#""{c}""#));
     format!(
         r#"{{
   "messageId": "{id}",
   "requestId": null,
-  "correlationId": null,
+  "correlationId": {correlation},
   "conversationId": "{conversation}",
   "initiatorId": "00ab0000-6ab3-f8b4-0000-08db7c836600",
   "sourceAddress": "rabbitmq://localhost/orders",
@@ -73,7 +86,7 @@ fn envelope(id: Uuid, conversation: Uuid, message_type: &str, message: &str) -> 
   "message": {message},
   "expirationTime": null,
   "sentTime": "2026-12-04T03:00:00.000000Z",
-  "headers": {{}},
+  "headers": {headers},
   "host": {{ "machineName": "orders-1", "processName": "Orders", "processId": 1 }}
 }}"#
     )
@@ -486,8 +499,15 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
         .start()
         .await
         .unwrap();
-    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
-    let body = envelope(id, conversation, Counted::TYPE, r#"{"key": 3}"#);
+    let (id, conversation, correlation) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let body = envelope_with(
+        id,
+        conversation,
+        Counted::TYPE,
+        r#"{"key": 3}"#,
+        Some(correlation),
+        "{}",
+    );
     publish_as_masstransit(&env.queue, id, &body).await;
     wait_until("the follow-up arrives", || async {
         env.ready(&forward).await == 1
@@ -511,7 +531,10 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     );
     assert_eq!(decoded.context.message_types, [Recorded::TYPE]);
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
-    assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+    // As MassTransit's TransferConsumeContextHeaders: the consumed
+    // correlation id initiates it; its own correlation id is not carried.
+    assert_eq!(decoded.context.initiator_id, Some(correlation.to_string()));
+    assert_eq!(decoded.context.correlation_id, None);
     assert_eq!(
         decoded.context.source_address,
         Some(format!("rabbitmq://127.0.0.1/{}", env.queue))
@@ -584,10 +607,17 @@ async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_ini
     // form: each of its own conversation.
     let mut sent = std::collections::HashMap::new();
     for key in 0..16_i64 {
-        let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
-        let body = envelope(id, conversation, Counted::TYPE, &format!(r#"{{"key": {key}}}"#));
+        let (id, conversation, correlation) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let body = envelope_with(
+            id,
+            conversation,
+            Counted::TYPE,
+            &format!(r#"{{"key": {key}}}"#),
+            Some(correlation),
+            &format!(r#"{{"tenant": "t{key}"}}"#),
+        );
         publish_as_masstransit(&env.queue, id, &body).await;
-        sent.insert(key, (id, conversation));
+        sent.insert(key, (id, conversation, correlation));
     }
     let runtime = Runtime::builder(settings.valid())
         .handler(ForwardInBatch)
@@ -607,10 +637,17 @@ async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_ini
         let decoded =
             inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
         let RecordedInBatch(message) = serde_json::from_slice(&decoded.message).unwrap();
-        let (id, conversation) = sent[&message.key];
+        let (id, conversation, correlation) = sent[&message.key];
         assert_eq!(message.source_message_id, id, "key {}", message.key);
         assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
-        assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+        assert_eq!(decoded.context.initiator_id, Some(correlation.to_string()));
+        let headers: serde_json::Value =
+            serde_json::from_str(decoded.context.headers.as_deref().unwrap_or("{}")).unwrap();
+        assert_eq!(
+            headers["tenant"],
+            format!("t{}", message.key),
+            "its own message's headers"
+        );
     }
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
@@ -636,13 +673,18 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
     assert!(started, "the service did not start:\n{log}");
 
     // A MassTransit producer publishes the type, twice (a redelivery),
-    // and a type the service has no handler for.
-    let (id, conversation) = (Uuid::now_v7(), Uuid::now_v7());
-    let body = envelope(
+    // and a type the service has no handler for. Its check-in carries a
+    // correlation id, a header of the estate's and the trace of the .NET
+    // activity that sent it.
+    let (id, conversation, correlation) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let body = envelope_with(
         id,
         conversation,
         CHECKED_IN,
         r#"{"attendeeId": 5, "sessionId": 9}"#,
+        Some(correlation),
+        &format!(r#"{{"tenant": "acme", "MT-Activity-Id": "00-{trace_id}-00f067aa0ba902b7-01"}}"#),
     );
     publish_as_masstransit(CHECKED_IN, id, &body).await;
     publish_as_masstransit(CHECKED_IN, id, &body).await;
@@ -672,8 +714,26 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
     let arrived = env.take(&forward).await.expect("the follow-up");
     let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
     assert_eq!(decoded.context.message_types, [RECORDED]);
-    assert_eq!(decoded.context.initiator_id, Some(id.to_string()));
+    // What MassTransit's TransferConsumeContextHeaders gives a follow-up.
+    assert_eq!(decoded.context.initiator_id, Some(correlation.to_string()));
+    assert_eq!(decoded.context.correlation_id, None);
     assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
+    assert_eq!(
+        decoded.context.source_address,
+        Some(format!("rabbitmq://127.0.0.1/{}", env.queue))
+    );
+    let headers: serde_json::Value =
+        serde_json::from_str(decoded.context.headers.as_deref().unwrap_or("{}")).unwrap();
+    assert_eq!(headers["tenant"], "acme");
+    assert_eq!(header(&arrived, "tenant").as_deref(), Some("acme"));
+    // The trace goes on, in a span of its own, for .NET and for W3C.
+    let activity = headers["MT-Activity-Id"].as_str().unwrap_or_default();
+    assert!(
+        activity.starts_with(&format!("00-{trace_id}-")) && !activity.contains("00f067aa0ba902b7"),
+        "{activity}"
+    );
+    assert_eq!(header(&arrived, "MT-Activity-Id").as_deref(), Some(activity));
+    assert_eq!(header(&arrived, "traceparent").as_deref(), Some(activity));
     let message: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
     assert_eq!(
         message,
