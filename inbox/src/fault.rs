@@ -26,8 +26,15 @@ pub mod headers {
     /// The queue it was consumed from.
     pub const SOURCE_QUEUE: &str = "x-inbox-source-queue";
 
+    /// Set on a copy the runtime sets aside (in `Q.error` or `Q.skipped`),
+    /// naming that queue: the failure headers beside it describe the
+    /// message's past. A copy that comes back to a queue with it (moved by
+    /// the management UI, a shovel, any tool but this library's replay,
+    /// which removes it) starts with a fresh budget of attempts.
+    pub const SET_ASIDE: &str = "x-inbox-set-aside";
+
     /// Every header above: what a replay removes.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         REASON,
         HANDLER,
         ATTEMPTS,
@@ -35,6 +42,7 @@ pub mod headers {
         FIRST_FAILURE,
         LAST_FAILURE,
         SOURCE_QUEUE,
+        SET_ASIDE,
     ];
 
     /// Set on a copy (in a retry tier, `Q.error`, `Q.skipped`) whose
@@ -114,12 +122,28 @@ impl FailureHistory {
     /// are untrusted: any value, however large, reads without panicking, and
     /// the counts only ever grow with [`record_failure`](Self::record_failure)
     /// and [`record_redelivery`](Self::record_redelivery), which saturate.
+    ///
+    /// A copy that was set aside and came back by another way than this
+    /// library's replay (the management UI's move, a shovel) has none
+    /// either: its failure headers describe its past, not its future. Set
+    /// aside means: by this runtime ([`headers::SET_ASIDE`]), by
+    /// MassTransit (`MT-Reason`), or by the broker at a quorum queue's
+    /// delivery limit (the newest dead-lettering's reason).
+    ///
+    /// MassTransit counts delayed redeliveries in `MT-Redelivery-Count`
+    /// (ABS/Contexts/SendContextExtensions.cs `ApplyRedeliveryOptions`): a
+    /// message a .NET consumer redelivered has spent as many of the retry
+    /// tiers.
     pub fn read(headers: &FieldTable) -> Self {
         let map = headers.inner();
+        if set_aside_before(headers) {
+            return Self::default();
+        }
         let number = |key: &str| map.get(key).and_then(as_u32).unwrap_or(0);
         Self {
             attempts: number(headers::ATTEMPTS),
-            redeliveries: number(headers::REDELIVERIES),
+            redeliveries: number(headers::REDELIVERIES)
+                .max(number(crate::masstransit::headers::REDELIVERY_COUNT)),
             first_failure: map
                 .get(headers::FIRST_FAILURE)
                 .and_then(as_text)
@@ -178,7 +202,11 @@ impl Fault<'_> {
     pub fn stamp(&self, headers: &mut FieldTable) {
         let now = now();
         let text = |s: &str, max| AMQPValue::LongString(LongString::from(truncate(s, max).as_ref()));
+        // A copy set aside before and come back (its past) is set aside,
+        // or sent to a tier, anew: the mark goes, and the move says again
+        // if it is one.
         *headers = without(headers, &headers::BROKER_OWNED);
+        *headers = without(headers, &[headers::SET_ASIDE]);
         headers.insert(headers::REASON.into(), text(self.reason, MAX_REASON_BYTES));
         headers.insert(headers::HANDLER.into(), text(self.handler, MAX_VALUE_BYTES));
         headers.insert(
@@ -276,6 +304,27 @@ pub(crate) fn copy_properties(original: &BasicProperties, mut headers: FieldTabl
 }
 
 /// `headers` less the `keys`.
+/// Whether `headers` are those of a copy set aside before (see
+/// [`FailureHistory::read`]).
+fn set_aside_before(headers: &FieldTable) -> bool {
+    let map = headers.inner();
+    if map.contains_key(headers::SET_ASIDE) || map.contains_key(crate::masstransit::headers::REASON) {
+        return true;
+    }
+    // RabbitMQ 3.13 and later write the newest reason on its own; older
+    // ones only in `x-death`, newest first.
+    let newest = map.get("x-last-death-reason").and_then(as_text).or_else(|| {
+        let AMQPValue::FieldArray(deaths) = map.get("x-death")? else {
+            return None;
+        };
+        let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
+            return None;
+        };
+        newest.inner().get("reason").and_then(as_text)
+    });
+    newest.as_deref() == Some("delivery_limit")
+}
+
 pub(crate) fn without(headers: &FieldTable, keys: &[&str]) -> FieldTable {
     let kept: std::collections::BTreeMap<_, _> = headers
         .inner()

@@ -1064,10 +1064,9 @@ fn malformed_envelope(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
             format!(r#"{{"messageId": "{id}", "messageType": [{checked_in}], "marker": "{marker}"}}"#)
                 .into_bytes(),
         ),
-        3 => (
-            properties,
-            envelope(&inbox::uuid::Uuid::now_v7().to_string(), checked_in, good),
-        ),
+        // A message that is no object of the type (MassTransit's
+        // deserializer throws, and the message faults).
+        3 => (properties, envelope(&id.to_string(), checked_in, "[1, 2]")),
         // Not JSON at all. (Another content type is no fault: MassTransit
         // reads it as the envelope.)
         4 => (properties, format!("not json {marker}").into_bytes()),

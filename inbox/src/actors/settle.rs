@@ -606,6 +606,12 @@ impl Settler {
         // The fault headers, both wires' for MassTransit's.
         let stamp = |headers: &mut lapin::types::FieldTable| {
             fault.stamp(headers);
+            if let Target::Exhausted | Target::Rejected | Target::Skipped = to {
+                headers.insert(
+                    crate::fault::headers::SET_ASIDE.into(),
+                    lapin::types::AMQPValue::LongString(queue.as_str().into()),
+                );
+            }
             if wire == Wire::Masstransit {
                 self.stamp_masstransit(headers, to, &failure, message_type);
             }
@@ -783,7 +789,14 @@ impl Settler {
     ) {
         use crate::masstransit::{Fault, stamp_dead_letter, stamp_fault, stamp_host, stamp_redelivery};
         match to {
-            Target::RetryTier(_) => stamp_redelivery(headers, failure.history.redeliveries),
+            Target::RetryTier(_) => {
+                // A copy MassTransit set aside once and that came back: its
+                // fault headers describe its past, and on its way back from
+                // the tier would make it look set aside again.
+                *headers = crate::fault::without(headers, &crate::masstransit::headers::SET_ASIDE);
+                *headers = crate::fault::without(headers, &crate::masstransit::headers::HOST);
+                stamp_redelivery(headers, failure.history.redeliveries);
+            }
             Target::Skipped => {
                 stamp_dead_letter(headers);
                 stamp_host(headers);

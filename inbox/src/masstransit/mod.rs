@@ -218,14 +218,6 @@ pub enum WireError {
     /// No message id, or one that is not a GUID.
     #[error("no valid messageId (a GUID is required: it is the dedup key): {0}")]
     InvalidMessageId(String),
-    /// The AMQP `message_id` and the envelope's `messageId` differ.
-    #[error("the AMQP message_id `{property}` is not the envelope's messageId `{envelope}`")]
-    MessageIdMismatch {
-        /// The AMQP property.
-        property: String,
-        /// The envelope's.
-        envelope: String,
-    },
     /// The envelope has no `message`.
     #[error("the envelope has no message")]
     NoMessage,
@@ -259,7 +251,7 @@ pub fn decode(
     let content_type = properties.content_type().as_ref().map(|c| c.as_str());
     match content_type {
         Some(RAW_JSON_CONTENT_TYPE) if raw_json => decode_raw(properties, body),
-        _ => decode_envelope(properties, body),
+        _ => decode_envelope(body),
     }
 }
 
@@ -400,22 +392,16 @@ impl<'a> EnvelopeFields<'a> {
     }
 }
 
-fn decode_envelope(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvelope, WireError> {
+fn decode_envelope(body: &[u8]) -> Result<IncomingEnvelope, WireError> {
     let envelope = EnvelopeFields::read(body)?;
     let raw_id = envelope
         .text("messageId")
         .map_err(|e| WireError::InvalidMessageId(e.to_string()))?
         .unwrap_or_default();
+    // The envelope's id, whatever the AMQP `message_id` says: MassTransit
+    // reads the envelope's (MT/Serialization/EnvelopeMessageContext.cs).
     let message_id =
         Uuid::try_parse(&raw_id).map_err(|_| WireError::InvalidMessageId(raw_id.clone().into_owned()))?;
-    if let Some(property) = properties.message_id().as_ref()
-        && Uuid::try_parse(property.as_str()).ok() != Some(message_id)
-    {
-        return Err(WireError::MessageIdMismatch {
-            property: property.as_str().to_owned(),
-            envelope: raw_id.into_owned(),
-        });
-    }
     let message_types = envelope.message_types()?;
     let message = envelope.message().ok_or(WireError::NoMessage)?;
     let owned = |text: Option<Cow<'_, str>>| text.map(Cow::into_owned);
@@ -1139,10 +1125,14 @@ mod tests {
     }
 
     #[test]
-    fn an_envelope_whose_id_differs_from_the_amqp_message_id_is_malformed() {
+    fn the_envelopes_id_is_the_message_id_and_a_missing_or_broken_one_is_malformed() {
+        // MassTransit reads the envelope's id, whatever the AMQP property.
         let other = Uuid::now_v7().to_string();
-        let error = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes(), false).unwrap_err();
-        assert!(matches!(error, WireError::MessageIdMismatch { .. }), "{error}");
+        let decoded = decode(&envelope_properties(Some(&other)), CAPTURED.as_bytes(), false).unwrap();
+        assert_eq!(
+            decoded.message_id.to_string(),
+            "00ab0000-6ab3-f8b4-f78c-08db7c8365ff"
+        );
         let bad_id = CAPTURED.replace("00ab0000-6ab3-f8b4-f78c-08db7c8365ff", "not-a-guid");
         assert!(matches!(
             decode(&envelope_properties(None), bad_id.as_bytes(), false),

@@ -106,7 +106,6 @@ async fn an_always_failing_handler_ends_in_the_error_queue_after_exactly_the_con
     })
     .await;
     let stats = runtime.stats();
-    runtime.shutdown().await;
 
     // Two attempts (one immediate retry) on each of three deliveries (the
     // first, then one per tier).
@@ -146,6 +145,11 @@ async fn an_always_failing_handler_ends_in_the_error_queue_after_exactly_the_con
         last.duration_since(first).unwrap() >= Duration::from_millis(500),
         "first and last failure are the whole path apart"
     );
+    assert_eq!(
+        header(&copy, headers::SET_ASIDE),
+        Some(error_queue(&env.queue)),
+        "marked as set aside"
+    );
     for queue in [
         env.queue.clone(),
         retry_queue(&env.queue, 1),
@@ -153,6 +157,18 @@ async fn an_always_failing_handler_ends_in_the_error_queue_after_exactly_the_con
     ] {
         assert_eq!(env.ready(&queue).await, 0, "{queue}");
     }
+
+    // Moved back as it lies in the error queue (the management UI, a
+    // shovel): its failure headers are its past, and it walks the whole
+    // path again rather than straight back.
+    crate::support::publish_to("", &env.queue, copy.properties.clone(), &copy.data).await;
+    wait_until("it walks the path again", || async {
+        runtime.stats().dead_lettered == 2
+    })
+    .await;
+    let again = runtime.stats();
+    runtime.shutdown().await;
+    assert_eq!((again.abandoned, again.delayed), (12, 4), "{again:?}");
 }
 
 #[actix_rt::test]

@@ -320,22 +320,30 @@ async fn a_row_staged_to_the_default_exchange_is_sent_to_the_queue_its_routing_k
 #[actix_rt::test]
 async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_its_headers() {
     let env = TestEnv::new("mt_set_aside").await;
+    let handler = CountAndRemember::default();
+    let seen = Arc::clone(&handler.seen);
     let runtime = Runtime::builder(masstransit(&env).valid())
-        .handler(CountAndRemember::default())
+        .handler(handler)
         .start()
         .await
         .unwrap();
-    let (refused, unknown, mismatched) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let (refused, unknown, other_id) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
     let refused_body = envelope(refused, Uuid::now_v7(), Counted::TYPE, r#"{"key": 7}"#);
     publish_as_masstransit(&env.queue, refused, &refused_body).await;
     let unknown_body = envelope(unknown, Uuid::now_v7(), "Inbox.Tests.MassTransit:Unknown", "{}");
     publish_as_masstransit(&env.queue, unknown, &unknown_body).await;
-    // The AMQP message_id is not the envelope's: malformed.
-    let mismatched_body = envelope(Uuid::now_v7(), Uuid::now_v7(), Counted::TYPE, r#"{"key": 2}"#);
-    publish_as_masstransit(&env.queue, mismatched, &mismatched_body).await;
-    wait_until("all three are set aside", || async {
+    // The AMQP message_id is not the envelope's: MassTransit reads the
+    // envelope's, and processes it.
+    let enveloped = Uuid::now_v7();
+    let other_id_body = envelope(enveloped, Uuid::now_v7(), Counted::TYPE, r#"{"key": 2}"#);
+    publish_as_masstransit(&env.queue, other_id, &other_id_body).await;
+    // A message that is no `Counted`: malformed.
+    let malformed = Uuid::now_v7();
+    let malformed_body = envelope(malformed, Uuid::now_v7(), Counted::TYPE, "[1, 2]");
+    publish_as_masstransit(&env.queue, malformed, &malformed_body).await;
+    wait_until("two set aside, one skipped, one processed", || async {
         let s = runtime.stats();
-        s.rejected == 2 && s.skipped == 1
+        s.rejected == 2 && s.skipped == 1 && s.completed == 1
     })
     .await;
     runtime.shutdown().await;
@@ -382,13 +390,16 @@ async fn failures_and_unknown_types_are_set_aside_in_masstransits_queues_with_it
     );
     let malformed = errors
         .iter()
-        .find(|c| c.properties.message_id().as_ref().map(|i| i.as_str()) == Some(&mismatched.to_string()))
+        .find(|c| c.properties.message_id().as_ref().map(|i| i.as_str()) == Some(&malformed.to_string()))
         .expect("the malformed one is in Q_error");
     assert!(
-        header(malformed, "MT-Fault-Message").is_some_and(|m| m.contains("is not the envelope's messageId")),
+        header(malformed, "MT-Fault-Message").is_some_and(|m| m.contains("not a valid")),
         "{:?}",
         header(malformed, "MT-Fault-Message")
     );
+    assert_eq!(env.count("counts", 2).await, 1, "under the envelope's id");
+    let seen: Vec<Uuid> = seen.lock().unwrap().iter().map(|c| c.message_id).collect();
+    assert!(seen.contains(&enveloped), "{seen:?}");
 
     let skipped = env
         .take(&Wire::Masstransit.skipped_queue(&env.queue))
@@ -1901,4 +1912,70 @@ async fn a_masstransit_endpoint_starts_on_the_queues_the_service_declared_and_mo
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
+}
+
+/// Retries counted as MassTransit counts them: a message a .NET consumer
+/// redelivered twice (`MT-Redelivery-Count: 2`) has spent two retry tiers;
+/// a copy moved back from `Q_error` as it lies there (by the management
+/// UI, a shovel) starts with a fresh budget, its failure headers its past.
+#[actix_rt::test]
+async fn redeliveries_count_as_masstransit_counts_them_and_a_copy_moved_back_starts_afresh() {
+    let env = TestEnv::new("mt_redelivery_count").await;
+    let mut settings = masstransit(&env);
+    settings.failure.immediate_retries = 0;
+    settings.failure.delays = vec![std::time::Duration::from_millis(100); 2];
+    let runtime = Runtime::builder(settings.valid())
+        .handler(CountAndRemember::default())
+        .start()
+        .await
+        .unwrap();
+    let id = Uuid::now_v7();
+    let body = envelope_with(
+        id,
+        Uuid::now_v7(),
+        Counted::TYPE,
+        r#"{"key": 9}"#,
+        None,
+        r#"{"MT-Redelivery-Count": 2}"#,
+    );
+    let mut headers = inbox::tools::lapin::types::FieldTable::default();
+    headers.insert(
+        "MT-Redelivery-Count".into(),
+        inbox::tools::lapin::types::AMQPValue::LongInt(2),
+    );
+    let properties = BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_content_type(ENVELOPE_CONTENT_TYPE.into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    publish_to(&env.queue, "", properties, body.as_bytes()).await;
+    wait_until("straight to Q_error: both tiers spent in .NET", || async {
+        runtime.stats().dead_lettered == 1
+    })
+    .await;
+    assert_eq!(runtime.stats().delayed, 0, "no tier left to walk");
+    let error_queue = Wire::Masstransit.error_queue(&env.queue);
+    let copy = env.take(&error_queue).await.expect("in Q_error");
+    assert_eq!(
+        header(&copy, "x-inbox-redeliveries").as_deref(),
+        Some("2")
+    );
+
+    // Moved back as it lies in Q_error: the tiers are walked anew.
+    publish_to(&env.queue, "", copy.properties.clone(), &copy.data).await;
+    wait_until("it walks both tiers again, then lands in Q_error", || async {
+        let s = runtime.stats();
+        s.delayed == 2 && s.dead_lettered == 2
+    })
+    .await;
+    runtime.shutdown().await;
+    let again = env.take(&error_queue).await.expect("in Q_error again");
+    assert_eq!(
+        header(&again, "x-inbox-redeliveries").as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        header(&again, "MT-Redelivery-Count").as_deref(),
+        Some("LongInt(2)")
+    );
 }
