@@ -154,28 +154,39 @@ impl Envelope {
 
     /// Decodes a delivery as MassTransit 8 writes it (see
     /// [`crate::masstransit::decode`]), as received by `consumer`. Its type
-    /// is the first of its message types that `handled` accepts (the
-    /// types a handler is registered for), else the first (or none): then
-    /// no handler takes it, and it is skipped. The body becomes the
+    /// is the first of its message types that `handled` takes (the queue's
+    /// handled types), else the first (or none): then no handler takes it,
+    /// and it is skipped. Raw JSON that names no type is the queue's one
+    /// type, as MassTransit hands it to the endpoint's consumers; on a
+    /// queue of several types it is malformed. The body becomes the
     /// envelope's `message`. `raw_json`: `queues[].raw_json`.
-    pub fn decode_masstransit(
+    pub(crate) fn decode_masstransit(
         properties: &BasicProperties,
         body: &[u8],
         raw_json: bool,
         redelivered: bool,
         consumer: &str,
-        handled: impl Fn(&str) -> bool,
+        handled: &crate::actors::HandledTypes,
     ) -> Result<Self, DecodeError> {
         let decoded = crate::masstransit::decode(properties, body, raw_json)?;
-        // No type at all: none that a handler takes, so skipped, as
-        // MassTransit skips it.
         let types = &decoded.context.message_types;
-        let event_type = types
-            .iter()
-            .find(|name| handled(name))
-            .or(types.first())
-            .cloned()
-            .unwrap_or_default();
+        let event_type = if types.is_empty() && decoded.context.raw {
+            match handled.names().as_slice() {
+                [only] => (*only).to_owned(),
+                several => {
+                    return Err(crate::masstransit::WireError::UntypedRaw(several.join(", ")).into());
+                }
+            }
+        } else {
+            // No type at all: none that a handler takes, so skipped, as
+            // MassTransit skips it.
+            types
+                .iter()
+                .find(|name| handled.contains(name))
+                .or(types.first())
+                .cloned()
+                .unwrap_or_default()
+        };
         let headers = properties.headers().clone().unwrap_or_default();
         let trace = crate::masstransit::trace_of(&decoded.context, &headers);
         // The body as it came stays where it was: a copy set aside must be

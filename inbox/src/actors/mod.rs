@@ -65,4 +65,5 @@ pub use stats::StatsSnapshot;
 
 // What this repository's tests and benches reach (`crate::internal`).
 pub use dedup::{DedupActor, Deliver, DeliverBatch};
+pub(crate) use handler::HandledTypes;
 pub use stats::{Stats, latency_bound};

@@ -112,9 +112,7 @@ impl Dialect {
     /// Whether a delivery with `properties` is read as raw JSON: on a
     /// queue with `queues[].raw_json`, under its content type.
     fn reads_raw(&self, properties: &lapin::BasicProperties) -> bool {
-        self.raw_json
-            && properties.content_type().as_ref().map(|c| c.as_str())
-                == Some(crate::masstransit::RAW_JSON_CONTENT_TYPE)
+        crate::masstransit::is_raw_json(properties, self.raw_json)
     }
 
     /// Decodes `delivery` as this wire's envelope.
@@ -136,7 +134,7 @@ impl Dialect {
                 self.raw_json,
                 delivery.redelivered,
                 consumer,
-                |name| self.handled.contains(name),
+                &self.handled,
             ),
         }
     }

@@ -221,6 +221,13 @@ pub enum WireError {
     /// The envelope has no `message`.
     #[error("the envelope has no message")]
     NoMessage,
+    /// Raw JSON without `MT-MessageType` on a queue whose handlers take
+    /// several types: which one it is cannot be told.
+    #[error(
+        "raw JSON without an MT-MessageType header, on a queue that handles several types ({0}): \
+         name the type in MT-MessageType, or give the queue one type (queues[].event_types)"
+    )]
+    UntypedRaw(String),
 }
 
 /// `urn:message:{name}` for a type named `Namespace:Type`.
@@ -248,11 +255,24 @@ pub fn decode(
     body: &[u8],
     raw_json: bool,
 ) -> Result<IncomingEnvelope, WireError> {
-    let content_type = properties.content_type().as_ref().map(|c| c.as_str());
-    match content_type {
-        Some(RAW_JSON_CONTENT_TYPE) if raw_json => decode_raw(properties, body),
-        _ => decode_envelope(body),
+    if is_raw_json(properties, raw_json) {
+        decode_raw(properties, body)
+    } else {
+        decode_envelope(body)
     }
+}
+
+/// Whether a delivery with `properties` is read as raw JSON on an endpoint
+/// that reads it (`raw_json`): its content type's media type is
+/// `application/json`, in any case and whatever its parameters
+/// (`application/json; charset=utf-8`), as .NET's `ContentType` compares
+/// media types.
+pub(crate) fn is_raw_json(properties: &BasicProperties, raw_json: bool) -> bool {
+    raw_json
+        && properties.content_type().as_ref().is_some_and(|content_type| {
+            let media_type = content_type.as_str().split(';').next().unwrap_or_default();
+            media_type.trim().eq_ignore_ascii_case(RAW_JSON_CONTENT_TYPE)
+        })
 }
 
 /// An envelope's fields, found by name in any case: MassTransit reads with

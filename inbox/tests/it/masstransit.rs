@@ -1206,12 +1206,19 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
     use inbox::internal::masstransit::{RAW_JSON_CONTENT_TYPE, headers as mt};
     let mut env = TestEnv::new("mt_forms").await;
     let raw_queue = env.another_queue("raw");
+    let raw_of_two = env.another_queue("raw_of_two");
     let mut settings = masstransit(&env);
+    settings.queues[0].event_types = vec![CheckedIn::TYPE.to_owned()];
     let mut raw = inbox::QueueSettings::new(&raw_queue);
     raw.raw_json = true;
+    raw.event_types = vec![CheckedIn::TYPE.to_owned()];
     settings.queues.push(raw);
+    let mut of_two = inbox::QueueSettings::new(&raw_of_two);
+    of_two.raw_json = true;
+    settings.queues.push(of_two);
     let runtime = Runtime::builder(settings.valid())
         .handler(CountCheckIn)
+        .handler(CountAndRemember::default())
         .start()
         .await
         .unwrap();
@@ -1290,6 +1297,23 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
         br#"{"attendeeId": 6, "sessionId": 6}"#,
     )
     .await;
+    // Raw JSON naming no type, its media type with a parameter: the
+    // endpoint's one type, as MassTransit hands it to its consumers; on a
+    // queue of two types, which one cannot be told.
+    let untyped = |id: Uuid| {
+        BasicProperties::default()
+            .with_message_id(id.to_string().into())
+            .with_content_type("Application/JSON; charset=utf-8".into())
+    };
+    publish_to(
+        "",
+        &raw_queue,
+        untyped(Uuid::now_v7()),
+        br#"{"attendeeId": 7, "sessionId": 7}"#,
+    )
+    .await;
+    let ambiguous = Uuid::now_v7();
+    publish_to("", &raw_of_two, untyped(ambiguous), br#"{"key": 1}"#).await;
     // Set aside where MassTransit sets them aside: no type and an unknown
     // type to Q_skipped, no message to Q_error.
     let no_type = Uuid::now_v7();
@@ -1321,7 +1345,7 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
 
     wait_until("every form is consumed or set aside", || async {
         let s = runtime.stats();
-        s.completed == 6 && s.skipped == 2 && s.rejected == 1
+        s.completed == 7 && s.skipped == 2 && s.rejected == 2
     })
     .await;
     runtime.shutdown().await;
@@ -1329,6 +1353,18 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
         assert_eq!(env.count("counts", *key).await, 1, "{form}");
     }
     assert_eq!(env.count("counts", 606).await, 1, "raw JSON");
+    assert_eq!(env.count("counts", 707).await, 1, "raw JSON naming no type");
+    let refused = env
+        .take(&Wire::Masstransit.error_queue(&raw_of_two))
+        .await
+        .expect("raw JSON naming no type, on a queue of two types: in its Q_error");
+    let reason = header(&refused, "x-inbox-reason").unwrap_or_default();
+    assert!(
+        reason.contains("MT-MessageType")
+            && reason.contains(Counted::TYPE)
+            && reason.contains(CheckedIn::TYPE),
+        "{reason}"
+    );
     let skipped = Wire::Masstransit.skipped_queue(&env.queue);
     let mut set_aside = Vec::new();
     while let Some(copy) = env.take(&skipped).await {
@@ -1956,10 +1992,7 @@ async fn redeliveries_count_as_masstransit_counts_them_and_a_copy_moved_back_sta
     assert_eq!(runtime.stats().delayed, 0, "no tier left to walk");
     let error_queue = Wire::Masstransit.error_queue(&env.queue);
     let copy = env.take(&error_queue).await.expect("in Q_error");
-    assert_eq!(
-        header(&copy, "x-inbox-redeliveries").as_deref(),
-        Some("2")
-    );
+    assert_eq!(header(&copy, "x-inbox-redeliveries").as_deref(), Some("2"));
 
     // Moved back as it lies in Q_error: the tiers are walked anew.
     publish_to(&env.queue, "", copy.properties.clone(), &copy.data).await;
@@ -1970,10 +2003,7 @@ async fn redeliveries_count_as_masstransit_counts_them_and_a_copy_moved_back_sta
     .await;
     runtime.shutdown().await;
     let again = env.take(&error_queue).await.expect("in Q_error again");
-    assert_eq!(
-        header(&again, "x-inbox-redeliveries").as_deref(),
-        Some("2")
-    );
+    assert_eq!(header(&again, "x-inbox-redeliveries").as_deref(), Some("2"));
     assert_eq!(
         header(&again, "MT-Redelivery-Count").as_deref(),
         Some("LongInt(2)")
