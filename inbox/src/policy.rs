@@ -71,8 +71,15 @@ pub enum Stage {
     Handover,
     /// The runtime itself (a panic outside the handlers).
     Runtime,
-    /// A handler, by its [`EventHandler::name`](crate::EventHandler::name).
-    Handler(&'static str),
+    /// A handler, by its [`EventHandler::name`](crate::EventHandler::name),
+    /// of the event type it handles (a MassTransit message of several
+    /// types runs the handlers of each: the type whose handler failed).
+    Handler {
+        /// Its name.
+        name: &'static str,
+        /// The event type it handled the message as.
+        event_type: &'static str,
+    },
 }
 
 impl Stage {
@@ -125,7 +132,7 @@ impl fmt::Display for Stage {
             Stage::HandlerCall => "handler actor",
             Stage::Handover => "dedup actor",
             Stage::Runtime => "runtime",
-            Stage::Handler(name) => name,
+            Stage::Handler { name, .. } => name,
         })
     }
 }
@@ -340,7 +347,10 @@ mod tests {
 
     fn failed(unavailable: bool) -> Outcome {
         Outcome::Abandoned(Abandoned {
-            stage: Stage::Handler("H"),
+            stage: Stage::Handler {
+                name: "H",
+                event_type: "E",
+            },
             reason: "boom".into(),
             unavailable,
         })
@@ -381,7 +391,10 @@ mod tests {
         // The defaults: 3 immediate retries from 100 ms, tiers 30s, 5m, 1h.
         let settings = FailureSettings::default();
         let permanent = Outcome::Rejected {
-            stage: Stage::Handler("H"),
+            stage: Stage::Handler {
+                name: "H",
+                event_type: "E",
+            },
             reason: "banned".into(),
         };
         let malformed = Outcome::Rejected {

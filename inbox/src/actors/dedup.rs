@@ -445,15 +445,37 @@ impl From<HandlerFailure> for Outcome {
                 stage: Stage::Deserialize,
                 reason,
             },
-            HandlerFailure::Permanent { handler, reason } => Outcome::Rejected {
-                stage: Stage::Handler(handler),
+            HandlerFailure::Permanent {
+                handler,
+                event_type,
+                reason,
+            } => Outcome::Rejected {
+                stage: Stage::Handler {
+                    name: handler,
+                    event_type,
+                },
                 reason,
             },
-            HandlerFailure::Failed { handler, error } => {
-                Outcome::Abandoned(Abandoned::new(Stage::Handler(handler), error))
-            }
-            HandlerFailure::Panicked { handler, message } => Outcome::Abandoned(Abandoned::new(
-                Stage::Handler(handler),
+            HandlerFailure::Failed {
+                handler,
+                event_type,
+                error,
+            } => Outcome::Abandoned(Abandoned::new(
+                Stage::Handler {
+                    name: handler,
+                    event_type,
+                },
+                error,
+            )),
+            HandlerFailure::Panicked {
+                handler,
+                event_type,
+                message,
+            } => Outcome::Abandoned(Abandoned::new(
+                Stage::Handler {
+                    name: handler,
+                    event_type,
+                },
                 format!("panicked: {message}"),
             )),
             HandlerFailure::Stopped { event_type } => Outcome::Abandoned(Abandoned::new(

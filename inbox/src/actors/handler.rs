@@ -159,6 +159,8 @@ pub(crate) enum HandlerFailure {
     Failed {
         /// The handler's name.
         handler: &'static str,
+        /// The event type it handled.
+        event_type: &'static str,
         /// Its error, as text (bounded). Whatever it wraps, it is the
         /// handler's failure: the dedup actor alone tells a lost database
         /// connection, from its own rollback.
@@ -169,6 +171,8 @@ pub(crate) enum HandlerFailure {
     Permanent {
         /// The handler's name.
         handler: &'static str,
+        /// The event type it handled.
+        event_type: &'static str,
         /// Its reason, as text (bounded).
         reason: String,
     },
@@ -176,6 +180,8 @@ pub(crate) enum HandlerFailure {
     Panicked {
         /// The handler's name.
         handler: &'static str,
+        /// The event type it handled.
+        event_type: &'static str,
         /// The panic's message.
         message: String,
     },
@@ -398,11 +404,13 @@ async fn run_handlers<E: IntegrationEvent>(
                 let failure = if Permanent::is_in(error.as_ref()) {
                     HandlerFailure::Permanent {
                         handler: name,
+                        event_type: E::TYPE,
                         reason: text,
                     }
                 } else {
                     HandlerFailure::Failed {
                         handler: name,
+                        event_type: E::TYPE,
                         error: text,
                     }
                 };
@@ -419,6 +427,7 @@ async fn run_handlers<E: IntegrationEvent>(
                 route.actor.do_send(Restart);
                 let failure = HandlerFailure::Panicked {
                     handler: name,
+                    event_type: E::TYPE,
                     message: cut_to_reason(panic_message(panic.as_ref())),
                 };
                 return Handled::Failed { uow: None, failure };

@@ -733,13 +733,23 @@ impl Settler {
     /// the message. A delivery that did not decode gets none (MassTransit
     /// would publish a `ReceiveFault`).
     async fn publish_fault(&self, envelope: &Envelope, failure: &Failure, to: Target) {
-        use crate::masstransit::{FAULT_EXCHANGE, FaultEvent, encode_fault, fault_exchange};
+        use crate::masstransit::{FaultEvent, SendAddress, encode_fault};
         let Some(context) = &envelope.masstransit else {
             return;
         };
-        let message_type = envelope.event_type.as_str();
+        // `Fault<T>` of the type whose handler failed (a message of several
+        // types runs the handlers of each), else of the type it was
+        // handled as.
+        let message_type = match failure.stage {
+            Stage::Handler { event_type, .. } => event_type,
+            _ => envelope.event_type.as_str(),
+        };
+        let destination = context
+            .fault_address
+            .as_deref()
+            .or(context.response_address.as_deref());
         let message_id = uuid::Uuid::now_v7();
-        let timestamp = crate::fault::now();
+        let timestamp = crate::masstransit::timestamp_now();
         let fault = FaultEvent {
             message_id,
             fault_id: uuid::Uuid::now_v7(),
@@ -751,18 +761,28 @@ impl Settler {
             timestamp: &timestamp,
             context,
             input_address: &self.dialect.input_address,
+            retries: failure.history.attempts.saturating_sub(1),
+            redeliveries: failure.history.redeliveries,
+            destination_address: destination,
         };
         let published = match encode_fault(&fault) {
-            Ok(envelope) => {
+            Ok(body) => {
                 let properties = crate::masstransit::properties(message_id);
-                self.forwarder
-                    .publish_to_subscribers(
-                        &fault_exchange(message_type),
-                        &[FAULT_EXCHANGE],
-                        properties,
-                        &envelope,
-                    )
-                    .await
+                match destination {
+                    // Sent where the message asked (a requester), not
+                    // published: MassTransit's `GetFaultEndpoint`.
+                    Some(address) => match SendAddress::parse(address) {
+                        Some(address) => self.forwarder.send_to_address(&address, properties, &body).await,
+                        None => Err(crate::Error::new(
+                            crate::ErrorKind::Usage,
+                            format!(
+                                "the fault address `{}` is no RabbitMQ address",
+                                crate::fault::truncate(address, 128)
+                            ),
+                        )),
+                    },
+                    None => self.publish_fault_to_subscribers(&fault, properties, &body).await,
+                }
             }
             Err(e) => Err(crate::Error::new(
                 crate::ErrorKind::Serialize,
@@ -770,8 +790,38 @@ impl Settler {
             )),
         };
         if let Err(e) = published {
-            tracing::warn!(error = %e, "could not publish the message's Fault<{message_type}>; it is in the error queue all the same");
+            tracing::warn!(error = %e, "could not send the message's Fault<{message_type}>; it is in the error queue all the same");
         }
+    }
+
+    /// Publishes `fault` to `Fault<T>`'s exchange, bound first to those of
+    /// `Fault<X>` for every other type of the faulted message and to
+    /// `Fault`'s, each `Fault<X>`'s bound to `Fault`'s too: the exchanges
+    /// MassTransit's publish topology declares and binds for a `Fault<T>`.
+    async fn publish_fault_to_subscribers(
+        &self,
+        fault: &crate::masstransit::FaultEvent<'_>,
+        properties: lapin::BasicProperties,
+        body: &[u8],
+    ) -> crate::Result<()> {
+        use crate::masstransit::FAULT_EXCHANGE;
+        let exchanges = fault.exchanges();
+        let Some((own, others)) = exchanges.split_first() else {
+            return Ok(());
+        };
+        for other in others {
+            self.forwarder
+                .declare_type_exchange(other, &[FAULT_EXCHANGE])
+                .await?;
+        }
+        let implements: Vec<&str> = others
+            .iter()
+            .map(String::as_str)
+            .chain(std::iter::once(FAULT_EXCHANGE))
+            .collect();
+        self.forwarder
+            .publish_to_subscribers(own, &implements, properties, body)
+            .await
     }
 
     /// MassTransit's headers for a move to `to`: `MT-Reason` and the
@@ -811,7 +861,7 @@ impl Settler {
                         message_type,
                         input_address: &self.dialect.input_address,
                         retries: failure.history.attempts.saturating_sub(1),
-                        timestamp: &crate::fault::now(),
+                        timestamp: &crate::masstransit::timestamp_now(),
                     },
                 );
             }
@@ -827,8 +877,8 @@ impl Settler {
 /// type, for a message moved to `Q_error` as `to`.
 fn exception_type(to: Target) -> &'static str {
     match to {
-        Target::Rejected => "Inbox.Rejected",
-        _ => "Inbox.AttemptsExhausted",
+        Target::Rejected => "Inbox.MessageRejectedException",
+        _ => "Inbox.AttemptsExhaustedException",
     }
 }
 

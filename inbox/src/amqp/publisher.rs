@@ -258,6 +258,48 @@ impl AmqpPublisher {
         Ok(())
     }
 
+    /// Sends to the exchange a MassTransit address names (declared first
+    /// as MassTransit declares it before sending: its type, durable or
+    /// temporary), confirmed, without `mandatory`: as MassTransit sends a
+    /// fault to the `faultAddress` of the message that faulted.
+    pub(crate) async fn send_to_address(
+        &self,
+        address: &crate::masstransit::SendAddress,
+        properties: BasicProperties,
+        body: &[u8],
+    ) -> Result<()> {
+        let exchange = address.exchange.as_str();
+        crate::limits::check_name("exchange", exchange)
+            .map_err(|reason| Error::exchange(crate::fault::truncate(exchange, 64).into_owned(), reason))?;
+        let Publishing { channel, .. } = self.live_channel().await?;
+        let options = ExchangeDeclareOptions {
+            durable: address.durable,
+            auto_delete: address.auto_delete,
+            ..ExchangeDeclareOptions::default()
+        };
+        let kind = match address.kind.as_str() {
+            "direct" => ExchangeKind::Direct,
+            "topic" => ExchangeKind::Topic,
+            "headers" => ExchangeKind::Headers,
+            "fanout" => ExchangeKind::Fanout,
+            other => ExchangeKind::Custom(other.to_owned()),
+        };
+        let declaring = channel.exchange_declare(exchange.into(), kind, options, FieldTable::default());
+        tokio::time::timeout(self.confirm_timeout, declaring)
+            .await
+            .map_err(|_| {
+                Error::unreachable(
+                    "broker",
+                    format!("exchange `{}`", crate::fault::truncate(exchange, 64)),
+                    self.confirm_timeout,
+                    "message_bus.confirm_timeout",
+                    "no answer to declaring it".into(),
+                )
+            })?
+            .map_err(|e| Error::exchange(exchange.to_owned(), crate::error::describe(&e)))?;
+        self.traced(exchange, "", properties, body, false).await
+    }
+
     /// Why a message with `properties` would not fit one frame of this
     /// publisher's connection (see `limits::check_properties`),
     /// if it would not.

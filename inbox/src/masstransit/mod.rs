@@ -83,7 +83,7 @@ pub mod headers {
         FAULT_MESSAGE_TYPE,
         FAULT_RETRY_COUNT,
         REDELIVERY_COUNT,
-        "MT-Fault-RedeliveryCount",
+        FAULT_REDELIVERY_COUNT,
     ];
     /// The host that moved a message to `Q_error` or `Q_skipped`
     /// ([`stamp_host`](super::stamp_host)): what a replay removes too.
@@ -114,6 +114,13 @@ pub mod headers {
     pub(crate) const ACTIVITY_ID: &str = "MT-Activity-Id";
     /// Raw JSON: the source address.
     pub(crate) const SOURCE_ADDRESS: &str = "MT-Source-Address";
+    /// Raw JSON: where responses go.
+    pub(crate) const RESPONSE_ADDRESS: &str = "MT-Response-Address";
+    /// Raw JSON: where faults go.
+    pub(crate) const FAULT_ADDRESS: &str = "MT-Fault-Address";
+    /// On a `Fault<T>`: the delayed redeliveries of the faulted message
+    /// (MT/Contexts/ConsumeContextEndpointExtensions.cs `FaultPipe`).
+    pub(crate) const FAULT_REDELIVERY_COUNT: &str = "MT-Fault-RedeliveryCount";
     /// Raw JSON: the message types, URNs joined by `;`.
     pub const MESSAGE_TYPE: &str = "MT-MessageType";
 }
@@ -199,6 +206,11 @@ pub struct Context {
     pub source_address: Option<String>,
     /// Its request id, if any.
     pub request_id: Option<String>,
+    /// Where its faults go, if it says (`faultAddress`).
+    pub fault_address: Option<String>,
+    /// Where its responses go, if it says (`responseAddress`): its faults
+    /// too, when it names no fault address.
+    pub response_address: Option<String>,
     /// The envelope's `headers` object, as its JSON text: what
     /// MassTransit's consumers read as the message's headers. `None` when
     /// absent, `null` or empty, and for raw JSON, whose headers are its
@@ -320,10 +332,10 @@ struct CamelEnvelope<'a> {
     headers: Option<&'a RawValue>,
     #[serde(default)]
     destination_address: serde::de::IgnoredAny,
-    #[serde(default)]
-    response_address: serde::de::IgnoredAny,
-    #[serde(default)]
-    fault_address: serde::de::IgnoredAny,
+    #[serde(borrow)]
+    response_address: Option<&'a str>,
+    #[serde(borrow)]
+    fault_address: Option<&'a str>,
     #[serde(default)]
     expiration_time: serde::de::IgnoredAny,
     #[serde(default)]
@@ -353,6 +365,8 @@ impl<'a> EnvelopeFields<'a> {
                 "initiatorId" => envelope.initiator_id,
                 "sourceAddress" => envelope.source_address,
                 "requestId" => envelope.request_id,
+                "faultAddress" => envelope.fault_address,
+                "responseAddress" => envelope.response_address,
                 _ => None,
             }
             .map(Cow::Borrowed)),
@@ -435,6 +449,8 @@ fn decode_envelope(body: &[u8]) -> Result<IncomingEnvelope, WireError> {
             initiator_id: owned(envelope.text("initiatorId")?),
             source_address: owned(envelope.text("sourceAddress")?),
             request_id: owned(envelope.text("requestId")?),
+            fault_address: owned(envelope.text("faultAddress")?),
+            response_address: owned(envelope.text("responseAddress")?),
             headers: envelope.headers().map(|h| h.get().to_owned()),
             raw: false,
         },
@@ -464,6 +480,8 @@ fn decode_raw(properties: &BasicProperties, body: &[u8]) -> Result<IncomingEnvel
             initiator_id: header(headers::INITIATOR_ID),
             source_address: header(headers::SOURCE_ADDRESS),
             request_id: header(headers::REQUEST_ID),
+            fault_address: header(headers::FAULT_ADDRESS),
+            response_address: header(headers::RESPONSE_ADDRESS),
             headers: None,
             raw: true,
         },
@@ -712,8 +730,8 @@ pub fn fault_exchange(t: &str) -> String {
     format!("{FAULT_EXCHANGE}--{argument}--")
 }
 
-/// A `Fault<T>` event, as MassTransit publishes one when a consumer's
-/// message lands in the error queue (MT/Events/FaultEvent.cs,
+/// A `Fault<T>` event, as MassTransit sends one when a consumer's message
+/// lands in the error queue (MT/Events/FaultEvent.cs,
 /// MT/Contexts/ConsumeContextEndpointExtensions.cs `GenerateFault`).
 #[derive(Debug, Clone)]
 pub(crate) struct FaultEvent<'a> {
@@ -725,8 +743,8 @@ pub(crate) struct FaultEvent<'a> {
     pub fault_id: Uuid,
     /// The message that faulted.
     pub faulted_message_id: Uuid,
-    /// Its type name (`Namespace:Type`): the `T` of `Fault<T>`, the type it
-    /// was handled as.
+    /// The `T` of `Fault<T>`: the type whose handler failed
+    /// (`Namespace:Type`).
     pub message_type: &'a str,
     /// Its JSON.
     pub message: &'a [u8],
@@ -734,13 +752,22 @@ pub(crate) struct FaultEvent<'a> {
     pub exception_type: &'a str,
     /// The failure's text.
     pub reason: &'a str,
-    /// When it failed, ISO 8601 in UTC (also the envelope's `sentTime`).
+    /// When it failed, as [`timestamp_now`] writes it (also the envelope's
+    /// `sentTime`).
     pub timestamp: &'a str,
-    /// Where the faulted message came from: its conversation and
-    /// correlation go on.
+    /// Where the faulted message came from: its ids, types and headers.
     pub context: &'a Context,
     /// The address of the queue it faulted on.
     pub input_address: &'a str,
+    /// Immediate retries before it faulted (`MT-Fault-RetryCount`, when
+    /// above 0).
+    pub retries: u32,
+    /// Delayed redeliveries before it faulted (`MT-Fault-RedeliveryCount`,
+    /// when above 0).
+    pub redeliveries: u32,
+    /// Where it is sent, when not published: the faulted message's
+    /// `faultAddress` or `responseAddress`.
+    pub destination_address: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -766,16 +793,45 @@ struct ExceptionInfo<'a> {
     data: Option<serde_json::Value>,
 }
 
-/// The envelope of `fault`, to publish to [`fault_exchange`]: its
-/// `messageType` is `Fault<T>`'s URN then `Fault`'s; its `initiatorId` the
-/// faulted message's correlation id, as MassTransit's
-/// (ABS/Contexts/SendContextExtensions.cs `TransferConsumeContextHeaders`);
-/// `faultMessageTypes` every type the faulted message listed, as
-/// MassTransit's (`SupportedMessageTypes`, MT/Events/FaultEvent.cs). Every
-/// id is a GUID or `null`: an id of the faulted message that is not a GUID
-/// is left out.
+impl FaultEvent<'_> {
+    /// `T`, then the types the faulted message listed after `T`: those
+    /// `T` may derive from. `Fault<T>` is covariant in .NET, so it is a
+    /// `Fault<X>` of each of `T`'s base types and interfaces, which a
+    /// message lists after its type (most specific first); a type listed
+    /// before `T` is none of its bases.
+    fn types(&self) -> impl Iterator<Item = &str> {
+        let listed = &self.context.message_types;
+        let after = listed
+            .iter()
+            .position(|name| name == self.message_type)
+            .map_or(listed.len(), |at| at + 1);
+        std::iter::once(self.message_type).chain(listed[after..].iter().map(String::as_str))
+    }
+
+    /// The fault exchanges it is published to, most specific first:
+    /// `Fault<T>`'s, then `Fault<X>`'s for each of [`types`](Self::types),
+    /// as MassTransit's publish topology binds a type's exchange to those of
+    /// the types it implements
+    /// (RMQ/RabbitMqTransport/Topology/RabbitMqMessagePublishTopology.cs).
+    pub(crate) fn exchanges(&self) -> Vec<String> {
+        self.types().map(fault_exchange).collect()
+    }
+}
+
+/// The envelope of `fault`, as MassTransit writes a `Fault<T>`: its
+/// `messageType` `Fault<T>`'s URN, then `Fault<X>`'s for each of `T`'s
+/// possible bases (see [`FaultEvent::types`]), then `Fault`'s; `faultMessageTypes` every
+/// type the faulted message listed (`SupportedMessageTypes`,
+/// MT/Events/FaultEvent.cs). What MassTransit's `FaultPipe`
+/// (MT/Contexts/ConsumeContextEndpointExtensions.cs) gives it: the
+/// consumed message's headers but `MT-` ones, conversation, correlation
+/// and request ids, its correlation (else request) id as the initiator,
+/// the endpoint as the source, and `MT-Fault-RetryCount` and
+/// `MT-Fault-RedeliveryCount` when above 0. Every id is a GUID or `null`:
+/// an id of the faulted message that is not a GUID is left out.
 pub(crate) fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json::Error> {
     let reason = crate::fault::truncate(fault.reason, MAX_FAULT_TEXT);
+    let context = fault.context;
     let body = FaultBody {
         fault_id: fault.fault_id.to_string(),
         faulted_message_id: fault.faulted_message_id.to_string(),
@@ -789,34 +845,122 @@ pub(crate) fn encode_fault(fault: &FaultEvent<'_>) -> Result<Vec<u8>, serde_json
             data: None,
         }],
         host: host_info(),
-        fault_message_types: match fault.context.message_types.as_slice() {
+        fault_message_types: match context.message_types.as_slice() {
             [] => vec![message_urn(fault.message_type)],
             types => types.iter().map(|name| message_urn(name)).collect(),
         },
         message: RawValue::from_string(String::from_utf8_lossy(fault.message).into_owned())?,
     };
     let message = serde_json::value::to_raw_value(&body)?;
-    let correlation = guid(fault.context.correlation_id.as_deref());
-    let conversation =
-        guid(fault.context.conversation_id.as_deref()).or_else(|| Some(Uuid::now_v7().to_string()));
+    let correlation = guid(context.correlation_id.as_deref());
+    let request = guid(context.request_id.as_deref());
+    let conversation = guid(context.conversation_id.as_deref()).or_else(|| Some(Uuid::now_v7().to_string()));
+    let mut headers = match &context.headers {
+        Some(json) => serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(json)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(key, _)| transferred(key, false))
+            .collect(),
+        None => serde_json::Map::new(),
+    };
+    if fault.retries > 0 {
+        headers.insert(headers::FAULT_RETRY_COUNT.into(), fault.retries.into());
+    }
+    if fault.redeliveries > 0 {
+        headers.insert(headers::FAULT_REDELIVERY_COUNT.into(), fault.redeliveries.into());
+    }
+    let message_types = fault
+        .types()
+        .map(fault_urn)
+        .chain(std::iter::once(message_urn("MassTransit:Fault")))
+        .collect();
     let envelope = JsonEnvelope {
         message_id: Some(fault.message_id.to_string()),
-        request_id: None,
+        request_id: request.clone(),
         correlation_id: correlation.clone(),
         conversation_id: conversation,
-        initiator_id: correlation,
+        initiator_id: correlation.or(request),
         source_address: Some(fault.input_address.to_owned()),
-        destination_address: None,
+        destination_address: fault.destination_address.map(str::to_owned),
         response_address: None,
         fault_address: None,
-        message_type: vec![fault_urn(fault.message_type), message_urn("MassTransit:Fault")],
+        message_type: message_types,
         message: Some(message),
         expiration_time: None,
         sent_time: Some(fault.timestamp.to_owned()),
-        headers: serde_json::Map::new(),
+        headers,
         host: serde_json::to_value(host_info()).ok(),
     };
     serde_json::to_vec(&envelope)
+}
+
+/// Now as .NET's `DateTime.UtcNow.ToString("O")` writes it, with seven
+/// fractional digits (`2025-06-20T13:10:25.1234567Z`): MassTransit's fault
+/// timestamps.
+pub(crate) fn timestamp_now() -> String {
+    // Nine digits, of which .NET's ticks (100 ns) keep seven.
+    let nanos = humantime::format_rfc3339_nanos(std::time::SystemTime::now()).to_string();
+    match nanos.strip_suffix('Z') {
+        Some(digits) if digits.len() > 2 => format!("{}Z", &digits[..digits.len() - 2]),
+        _ => nanos,
+    }
+}
+
+/// Where a message sent to a MassTransit address goes: the exchange the
+/// address names, declared as MassTransit declares it before it sends
+/// (RMQ/RabbitMqEndpointAddress.cs: `rabbitmq://host/[vhost/]name`, with
+/// `temporary`, `durable`, `autodelete` and `type` in its query; the short
+/// forms `exchange:name` and `queue:name`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SendAddress {
+    /// The exchange: the address's name.
+    pub exchange: String,
+    /// Its type (`fanout` unless the address says).
+    pub kind: String,
+    /// Whether it is durable (unless `temporary` or `durable=false`).
+    pub durable: bool,
+    /// Whether it is deleted when unused (`temporary` or `autodelete=true`).
+    pub auto_delete: bool,
+}
+
+impl SendAddress {
+    /// The address `address` names, if it is a RabbitMQ one with a name.
+    pub(crate) fn parse(address: &str) -> Option<Self> {
+        let (path, query) = match address.split_once('?') {
+            Some((path, query)) => (path, query),
+            None => (address, ""),
+        };
+        let name = match path.split_once("://") {
+            Some(("rabbitmq" | "rabbitmqs", rest)) => rest.split('/').skip(1).last()?,
+            Some(_) => return None,
+            None => path
+                .strip_prefix("exchange:")
+                .or_else(|| path.strip_prefix("queue:"))?,
+        };
+        if name.is_empty() {
+            return None;
+        }
+        let mut send = Self {
+            exchange: name.to_owned(),
+            kind: "fanout".to_owned(),
+            durable: true,
+            auto_delete: false,
+        };
+        for (key, value) in query.split('&').filter_map(|pair| pair.split_once('=')) {
+            let yes = value.eq_ignore_ascii_case("true");
+            match key.to_ascii_lowercase().as_str() {
+                "temporary" if yes => {
+                    send.durable = false;
+                    send.auto_delete = true;
+                }
+                "durable" => send.durable = yes,
+                "autodelete" => send.auto_delete = yes,
+                "type" if !value.is_empty() => send.kind = value.to_ascii_lowercase(),
+                _ => {}
+            }
+        }
+        Some(send)
+    }
 }
 
 /// What an envelope this runtime publishes says of the message.
@@ -1417,11 +1561,14 @@ mod tests {
             faulted_message_id: faulted,
             message_type: "My.Contracts:OrderSubmitted",
             message: br#"{"orderId":1}"#,
-            exception_type: "Inbox.Rejected",
+            exception_type: "Inbox.MessageRejectedException",
             reason: "boom",
-            timestamp: "2026-12-04T03:00:00.000000Z",
+            timestamp: "2026-12-04T03:00:00.0000000Z",
             context: &context,
             input_address: "rabbitmq://localhost/orders",
+            retries: 2,
+            redeliveries: 1,
+            destination_address: None,
         })
         .unwrap();
         let properties = envelope_properties(Some(&message_id.to_string()));
@@ -1431,9 +1578,15 @@ mod tests {
             decoded.context.message_types,
             [
                 "MassTransit:Fault[[My.Contracts:OrderSubmitted]]",
+                "MassTransit:Fault[[My.Contracts:Event]]",
                 "MassTransit:Fault"
-            ]
+            ],
+            "Fault<X> for every type the message listed, as Fault<T> is covariant"
         );
+        let headers: serde_json::Value =
+            serde_json::from_str(decoded.context.headers.as_deref().unwrap()).unwrap();
+        assert_eq!(headers["MT-Fault-RetryCount"], 2);
+        assert_eq!(headers["MT-Fault-RedeliveryCount"], 1);
         assert_eq!(decoded.context.conversation_id, Some(conversation.to_string()));
         assert_eq!(decoded.context.correlation_id, None, "a GUID or null");
         assert_eq!(decoded.context.initiator_id, None, "a GUID or null");
@@ -1465,6 +1618,48 @@ mod tests {
             .map(|f| text.find(&format!("\"{f}\":")).unwrap())
             .collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+    }
+
+    #[test]
+    fn fault_timestamps_have_dotnets_seven_fractional_digits() {
+        let now = timestamp_now();
+        let (_, fraction) = now.split_once('.').unwrap();
+        assert_eq!(fraction.len(), 8, "{now}");
+        assert!(
+            fraction.ends_with('Z') && fraction[..7].bytes().all(|b| b.is_ascii_digit()),
+            "{now}"
+        );
+    }
+
+    #[test]
+    fn a_send_address_names_its_exchange_as_masstransit_reads_it() {
+        let parse = |address| SendAddress::parse(address);
+        let durable = |exchange: &str| SendAddress {
+            exchange: exchange.to_owned(),
+            kind: "fanout".to_owned(),
+            durable: true,
+            auto_delete: false,
+        };
+        assert_eq!(parse("rabbitmq://localhost/orders"), Some(durable("orders")));
+        assert_eq!(
+            parse("rabbitmqs://broker:5671/prod/orders"),
+            Some(durable("orders"))
+        );
+        assert_eq!(parse("queue:orders"), Some(durable("orders")));
+        assert_eq!(
+            parse("rabbitmq://localhost/host_app_bus_abc?temporary=true"),
+            Some(SendAddress {
+                durable: false,
+                auto_delete: true,
+                ..durable("host_app_bus_abc")
+            })
+        );
+        assert_eq!(
+            parse("rabbitmq://localhost/orders?type=topic&durable=false").map(|a| (a.kind, a.durable)),
+            Some(("topic".to_owned(), false))
+        );
+        assert_eq!(parse("rabbitmq://localhost/"), None);
+        assert_eq!(parse("sb://azure/orders"), None);
     }
 
     #[test]

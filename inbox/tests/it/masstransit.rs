@@ -448,7 +448,7 @@ async fn a_failing_message_walks_the_delay_tiers_and_lands_in_q_error_with_its_c
     assert_eq!(header(&copy, "MT-Reason").as_deref(), Some("fault"));
     assert_eq!(
         header(&copy, "MT-Fault-ExceptionType").as_deref(),
-        Some("Inbox.AttemptsExhausted")
+        Some("Inbox.AttemptsExhaustedException")
     );
     // Two attempts on each of two deliveries: three before the last.
     assert_eq!(
@@ -2008,4 +2008,196 @@ async fn redeliveries_count_as_masstransit_counts_them_and_a_copy_moved_back_sta
         header(&again, "MT-Redelivery-Count").as_deref(),
         Some("LongInt(2)")
     );
+}
+
+/// A contract and the interface it implements, as a .NET producer lists
+/// them: this test's alone (their fault exchanges are shared).
+#[derive(Debug, Serialize, Deserialize)]
+struct Seated {
+    key: i64,
+}
+
+impl IntegrationEvent for Seated {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:Seated";
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SeatEvent {
+    key: i64,
+}
+
+impl IntegrationEvent for SeatEvent {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:ISeatEvent";
+}
+
+/// Takes every `Seated` but key 2.
+struct TakeSeated;
+
+impl EventHandler<Seated> for TakeSeated {
+    async fn handle(&self, event: &Seated, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+        match event.key {
+            2 => Err(Permanent::new("seat 2 is broken").into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Refuses every `ISeatEvent`.
+struct RefuseSeatEvents;
+
+impl EventHandler<SeatEvent> for RefuseSeatEvents {
+    async fn handle(&self, _: &SeatEvent, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+        Err(Permanent::new("no seats today").into())
+    }
+}
+
+/// Faults a .NET estate consumes: `Fault<T>` of the type whose handler
+/// failed, listed as `Fault<X>` for the types the message declared after
+/// it (its bases) and reaching a subscriber of `Fault<X>`'s exchange; sent
+/// to the envelope's `faultAddress` instead when it has one; MassTransit's
+/// forms for its exception type and timestamp.
+#[actix_rt::test]
+async fn faults_go_where_masstransit_sends_them_as_every_type_the_message_declared() {
+    let mut env = TestEnv::new("mt_fault_types").await;
+    let (of_base, of_concrete, replies) = (
+        env.another_queue("fault_of_base"),
+        env.another_queue("fault_of_concrete"),
+        env.another_queue("replies"),
+    );
+    let fault_of = inbox::internal::masstransit::fault_exchange;
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    // Exchanges outlive a run that failed before it cleaned up, and their
+    // bindings with them.
+    for exchange in [fault_of(Seated::TYPE), fault_of(SeatEvent::TYPE)] {
+        let _ = channel
+            .exchange_delete(exchange.as_str().into(), Default::default())
+            .await;
+    }
+    for (queue, exchange) in [
+        (&of_base, fault_of(SeatEvent::TYPE)),
+        (&of_concrete, fault_of(Seated::TYPE)),
+        (&replies, replies.clone()),
+    ] {
+        inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Classic)
+            .await
+            .unwrap();
+        inbox::tools::bind_to_fanout(&channel, queue, &exchange)
+            .await
+            .unwrap();
+    }
+    connection.close(200, "declared".into()).await.unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(TakeSeated)
+        .handler(RefuseSeatEvents)
+        .start()
+        .await
+        .unwrap();
+    let both = format!(
+        r#""urn:message:{}", "urn:message:{}""#,
+        Seated::TYPE,
+        SeatEvent::TYPE
+    );
+    let with_types = |id: Uuid, key: i64, fault_address: Option<&str>| {
+        let body = envelope(id, Uuid::now_v7(), Seated::TYPE, &format!(r#"{{"key": {key}}}"#))
+            .replace(&format!(r#""urn:message:{}""#, Seated::TYPE), &both);
+        match fault_address {
+            Some(address) => body.replace(
+                r#""faultAddress": null"#,
+                &format!(r#""faultAddress": "{address}""#),
+            ),
+            None => body,
+        }
+    };
+    // Key 1: Seated's handler takes it, ISeatEvent's refuses it. Key 2:
+    // Seated's refuses it, and ISeatEvent's never runs.
+    let (published, concrete, sent) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    publish_as_masstransit(&env.queue, published, &with_types(published, 1, None)).await;
+    publish_as_masstransit(&env.queue, concrete, &with_types(concrete, 2, None)).await;
+    let address = format!("rabbitmq://127.0.0.1/{replies}");
+    publish_as_masstransit(&env.queue, sent, &with_types(sent, 1, Some(&address))).await;
+    wait_until(
+        "the faults reach their subscribers and the fault address",
+        || async {
+            env.ready(&of_base).await == 2
+                && env.ready(&of_concrete).await == 1
+                && env.ready(&replies).await == 1
+        },
+    )
+    .await;
+    runtime.shutdown().await;
+
+    let read = |delivery: &inbox::tools::lapin::message::Delivery| {
+        let decoded =
+            inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
+        (decoded, body)
+    };
+    let mut of_base_faults = std::collections::HashMap::new();
+    while let Some(fault) = env.take(&of_base).await {
+        let (decoded, body) = read(&fault);
+        let faulted = body["faultedMessageId"].as_str().unwrap_or_default().to_owned();
+        of_base_faults.insert(faulted, (decoded, body));
+    }
+    // Key 1: Fault<ISeatEvent> (the handler that failed), and no Fault<X>
+    // of a type listed before it, which is none of its bases.
+    let (decoded, body) = &of_base_faults[&published.to_string()];
+    assert_eq!(
+        decoded.context.message_types,
+        [
+            format!("MassTransit:Fault[[{}]]", SeatEvent::TYPE),
+            "MassTransit:Fault".to_owned()
+        ],
+        "Fault<T> of the type whose handler failed"
+    );
+    assert_eq!(
+        body["exceptions"][0]["exceptionType"],
+        "Inbox.MessageRejectedException"
+    );
+    let timestamp = body["timestamp"].as_str().unwrap_or_default();
+    assert_eq!(
+        timestamp.split_once('.').map(|(_, f)| f.len()),
+        Some(8),
+        "seven fractional digits and Z: {timestamp}"
+    );
+    // Key 2: Fault<Seated>, listed as Fault<ISeatEvent> too, which a
+    // subscriber of Fault<ISeatEvent> gets, as .NET's covariance gives it.
+    let (decoded, _) = &of_base_faults[&concrete.to_string()];
+    assert_eq!(
+        decoded.context.message_types,
+        [
+            format!("MassTransit:Fault[[{}]]", Seated::TYPE),
+            format!("MassTransit:Fault[[{}]]", SeatEvent::TYPE),
+            "MassTransit:Fault".to_owned()
+        ]
+    );
+    let concrete_fault = env.take(&of_concrete).await.expect("Fault<Seated>");
+    assert_eq!(read(&concrete_fault).1["faultedMessageId"], concrete.to_string());
+    assert_eq!(
+        env.ready(&of_concrete).await,
+        0,
+        "Fault<ISeatEvent> does not reach Fault<Seated>'s subscribers"
+    );
+
+    let reply = env.take(&replies).await.expect("the fault at the fault address");
+    let (decoded, body) = read(&reply);
+    assert_eq!(body["faultedMessageId"], sent.to_string());
+    assert_eq!(
+        decoded.context.message_types[0],
+        format!("MassTransit:Fault[[{}]]", SeatEvent::TYPE)
+    );
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for exchange in [
+        Seated::TYPE.to_owned(),
+        SeatEvent::TYPE.to_owned(),
+        fault_of(Seated::TYPE),
+        fault_of(SeatEvent::TYPE),
+        replies.clone(),
+    ] {
+        let _ = channel
+            .exchange_delete(exchange.as_str().into(), Default::default())
+            .await;
+    }
+    connection.close(200, "done".into()).await.unwrap();
 }
