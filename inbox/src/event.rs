@@ -19,6 +19,26 @@ use uuid::Uuid;
 pub trait IntegrationEvent: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The stable type name on the wire.
     const TYPE: &'static str;
+
+    /// On MassTransit's wire, the .NET base classes and interfaces the
+    /// contract implements, by their names on the wire (`Namespace:Type`),
+    /// most specific first, as MassTransit lists a message's types. A
+    /// publish lists them in its `messageType` after [`TYPE`](Self::TYPE)
+    /// and binds `TYPE`'s exchange to each of theirs, as MassTransit's
+    /// publish topology does, so that a .NET consumer of a base type or an
+    /// interface receives it. None by default; unused on this library's
+    /// wire.
+    ///
+    /// ```
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct AttendeeCheckedIn { attendee_id: i64 }
+    ///
+    /// impl inbox::IntegrationEvent for AttendeeCheckedIn {
+    ///     const TYPE: &'static str = "Conference.Contracts:AttendeeCheckedIn";
+    ///     const IMPLEMENTS: &'static [&'static str] = &["Conference.Contracts:IConferenceEvent"];
+    /// }
+    /// ```
+    const IMPLEMENTS: &'static [&'static str] = &[];
 }
 
 /// An event with its identity: the `message_id` every copy of it carries and

@@ -602,8 +602,13 @@ fn outgoing<E: IntegrationEvent>(
         // its envelope, with what its consumers carry on.
         Wire::Masstransit => {
             let headers = crate::masstransit::follow_up_headers(cause, trace.as_ref());
-            let envelope =
-                crate::masstransit::envelope_now(message.id, E::TYPE, &json, cause, headers.envelope)?;
+            let envelope = crate::masstransit::envelope_now(
+                message.id,
+                (E::TYPE, E::IMPLEMENTS),
+                &json,
+                cause,
+                headers.envelope,
+            )?;
             (E::TYPE.to_owned(), headers.amqp, envelope)
         }
     };

@@ -212,12 +212,19 @@ impl AmqpPublisher {
         self.wire
     }
 
+    /// Whether the type exchange `name` is declared on the channel in use
+    /// (see [`declare_type_exchange`](Self::declare_type_exchange)).
+    pub(crate) fn knows_type_exchange(&self, name: &str) -> bool {
+        self.declared.lock().map(|d| d.contains(name)).unwrap_or(false)
+    }
+
     /// Declares the durable fanout exchange of a published type, `name`,
     /// unless this publisher already did, bound to the exchanges of the
     /// types it `implements`: MassTransit's publish topology, declared
     /// before a type's first publish (RMQ/RabbitMqTransport/Topology/
     /// RabbitMqMessagePublishTopology.cs `Apply` at v8.5.8), through which
-    /// a `Fault<T>` reaches `MassTransit:Fault`'s subscribers too.
+    /// a .NET consumer of a base type or interface gets it, and a
+    /// `Fault<T>` reaches `MassTransit:Fault`'s subscribers too.
     pub async fn declare_type_exchange(&self, name: &str, implements: &[&str]) -> Result<()> {
         // First: a channel replaced here forgets what was declared on it.
         let Publishing { channel, .. } = self.live_channel().await?;
@@ -345,10 +352,15 @@ impl AmqpPublisher {
                 self.publish_raw(routing_key, properties, &json).await
             }
             Wire::Masstransit => {
-                let envelope =
-                    crate::masstransit::envelope_now(message.id, E::TYPE, &json, None, Default::default())?;
+                let envelope = crate::masstransit::envelope_now(
+                    message.id,
+                    (E::TYPE, E::IMPLEMENTS),
+                    &json,
+                    None,
+                    Default::default(),
+                )?;
                 let properties = crate::masstransit::properties(message.id);
-                self.publish_to_subscribers(E::TYPE, &[], properties, &envelope)
+                self.publish_to_subscribers(E::TYPE, E::IMPLEMENTS, properties, &envelope)
                     .await
             }
         }

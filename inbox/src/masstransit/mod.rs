@@ -970,6 +970,8 @@ pub(crate) struct OutgoingEnvelope<'a> {
     pub message_id: Uuid,
     /// Its type name (`Namespace:Type`).
     pub message_type: &'a str,
+    /// The types it implements, most specific first (`Namespace:Type`).
+    pub implements: &'a [&'a str],
     /// The message's JSON.
     pub message: &'a [u8],
     /// The conversation it belongs to.
@@ -1005,7 +1007,10 @@ pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_j
         destination_address: outgoing.destination_address.map(str::to_owned),
         response_address: None,
         fault_address: None,
-        message_type: vec![message_urn(outgoing.message_type)],
+        message_type: std::iter::once(&outgoing.message_type)
+            .chain(outgoing.implements)
+            .map(|name| message_urn(name))
+            .collect(),
         message: Some(message),
         expiration_time: None,
         sent_time: Some(outgoing.sent_time.to_owned()),
@@ -1024,7 +1029,7 @@ pub(crate) fn encode(outgoing: &OutgoingEnvelope<'_>) -> Result<Vec<u8>, serde_j
 /// which is the message's own.
 pub(crate) fn envelope_now(
     message_id: Uuid,
-    message_type: &'static str,
+    (message_type, implements): (&'static str, &'static [&'static str]),
     json: &[u8],
     cause: Option<&crate::MessageContext>,
     headers: serde_json::Map<String, serde_json::Value>,
@@ -1041,6 +1046,7 @@ pub(crate) fn envelope_now(
     let envelope = OutgoingEnvelope {
         message_id,
         message_type,
+        implements,
         message: json,
         conversation_id,
         correlation_id: None,
@@ -1051,6 +1057,24 @@ pub(crate) fn envelope_now(
         headers,
     };
     encode(&envelope).map_err(|source| crate::Error::serialize(message_type, source))
+}
+
+/// The types an envelope of this runtime's says its message implements:
+/// its `messageType`'s names after the first, its own, which names the
+/// exchange it goes to. For a dispatcher, which may send a row another
+/// process staged, to bind that exchange as the staging process's type
+/// declared. None for a body that says none, or is no envelope.
+pub(crate) fn implemented_types(envelope: &[u8]) -> Vec<String> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Types<'a> {
+        #[serde(borrow, default)]
+        message_type: Vec<&'a str>,
+    }
+    match serde_json::from_slice::<Types<'_>>(envelope) {
+        Ok(types) => type_names(types.message_type.into_iter().skip(1)),
+        Err(_) => Vec::new(),
+    }
 }
 
 /// The most bytes of a consumed message's headers a follow-up copies into
@@ -1439,6 +1463,7 @@ mod tests {
         let outgoing = OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
+            implements: &["Conference.Contracts:ICheckinEvent"],
             message: br#"{"attendeeId":1,"sessionId":2}"#,
             conversation_id: conversation,
             correlation_id: None,
@@ -1482,7 +1507,11 @@ mod tests {
         );
         assert_eq!(
             json["messageType"],
-            serde_json::json!(["urn:message:Conference.Contracts:CheckinRecorded"])
+            serde_json::json!([
+                "urn:message:Conference.Contracts:CheckinRecorded",
+                "urn:message:Conference.Contracts:ICheckinEvent"
+            ]),
+            "its type, then those it implements"
         );
         let decoded = decode(&envelope_properties(Some(&id.to_string())), &encoded, false).unwrap();
         assert_eq!(decoded.message_id, id);
@@ -1621,6 +1650,30 @@ mod tests {
     }
 
     #[test]
+    fn a_dispatcher_reads_the_implemented_types_from_the_envelope_it_sends() {
+        let implements = [
+            "Conference.Contracts:ICheckinEvent",
+            "Conference.Contracts:IEvent",
+        ];
+        let envelope = encode(&OutgoingEnvelope {
+            message_id: Uuid::now_v7(),
+            message_type: "Conference.Contracts:CheckinRecorded",
+            implements: &implements,
+            message: b"{}",
+            conversation_id: Uuid::now_v7(),
+            correlation_id: None,
+            initiator_id: None,
+            source_address: None,
+            destination_address: None,
+            sent_time: "2026-12-04T03:00:00.000000Z",
+            headers: serde_json::Map::new(),
+        })
+        .unwrap();
+        assert_eq!(implemented_types(&envelope), implements);
+        assert!(implemented_types(b"not an envelope").is_empty());
+    }
+
+    #[test]
     fn fault_timestamps_have_dotnets_seven_fractional_digits() {
         let now = timestamp_now();
         let (_, fraction) = now.split_once('.').unwrap();
@@ -1669,6 +1722,7 @@ mod tests {
         let outgoing = |correlation_id| OutgoingEnvelope {
             message_id: id,
             message_type: "Conference.Contracts:CheckinRecorded",
+            implements: &[],
             message: br#"{"attendeeId": 1}"#,
             conversation_id: id,
             correlation_id,

@@ -48,13 +48,23 @@ impl Sink for AmqpPublisher {
                 outgoing.masstransit_properties(),
                 &outgoing.body,
             )),
-            // To the type's exchange, for whoever subscribes.
-            Wire::Masstransit => Box::pin(self.publish_to_subscribers(
-                &outgoing.exchange,
-                &[],
-                outgoing.masstransit_properties(),
-                &outgoing.body,
-            )),
+            // To the type's exchange, for whoever subscribes, bound to the
+            // exchanges of the types its envelope says it implements (read
+            // once per exchange: the row may be another process's).
+            Wire::Masstransit => Box::pin(async move {
+                let implements = match self.knows_type_exchange(&outgoing.exchange) {
+                    true => Vec::new(),
+                    false => crate::masstransit::implemented_types(&outgoing.body),
+                };
+                let implements: Vec<&str> = implements.iter().map(String::as_str).collect();
+                self.publish_to_subscribers(
+                    &outgoing.exchange,
+                    &implements,
+                    outgoing.masstransit_properties(),
+                    &outgoing.body,
+                )
+                .await
+            }),
         }
     }
 }

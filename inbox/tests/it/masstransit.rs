@@ -2201,3 +2201,89 @@ async fn faults_go_where_masstransit_sends_them_as_every_type_the_message_declar
     }
     connection.close(200, "done".into()).await.unwrap();
 }
+
+/// A follow-up contract that implements a .NET interface, as its
+/// `IMPLEMENTS` says: this test's alone.
+#[derive(Debug, Serialize, Deserialize)]
+struct Boarded {
+    key: i64,
+}
+
+impl IntegrationEvent for Boarded {
+    const TYPE: &'static str = "Inbox.Tests.MassTransit:Boarded";
+    const IMPLEMENTS: &'static [&'static str] = &["Inbox.Tests.MassTransit:IBoardingEvent"];
+}
+
+/// Stages a `Boarded` per `Counted`.
+struct Board;
+
+impl EventHandler<Counted> for Board {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        uow.publish("", &inbox::Message::new(Boarded { key: event.key }))
+            .await?;
+        Ok(())
+    }
+}
+
+/// A .NET consumer of an interface receives what is published as a type
+/// that implements it: the publish lists both types, and the type's
+/// exchange is bound to the interface's, through the outbox and from
+/// `runtime.publisher()` alike.
+#[actix_rt::test]
+async fn a_publish_reaches_the_consumers_of_the_types_its_contract_implements() {
+    const BASE: &str = "Inbox.Tests.MassTransit:IBoardingEvent";
+    let mut env = TestEnv::new("mt_implements").await;
+    let of_base = env.another_queue("of_base");
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    // Exchanges and their bindings outlive a run that failed before it
+    // cleaned up.
+    for exchange in [Boarded::TYPE, BASE] {
+        let _ = channel.exchange_delete(exchange.into(), Default::default()).await;
+    }
+    inbox::tools::declare_queue(&channel, &of_base, inbox::QueueKind::Classic)
+        .await
+        .unwrap();
+    inbox::tools::bind_to_fanout(&channel, &of_base, BASE)
+        .await
+        .unwrap();
+    connection.close(200, "declared".into()).await.unwrap();
+    let runtime = Runtime::builder(masstransit(&env).valid())
+        .handler(Board)
+        .start()
+        .await
+        .unwrap();
+    let id = Uuid::now_v7();
+    publish_as_masstransit(
+        &env.queue,
+        id,
+        &envelope(id, Uuid::now_v7(), Counted::TYPE, r#"{"key": 1}"#),
+    )
+    .await;
+    runtime
+        .publisher()
+        .publish("", &inbox::Message::new(Boarded { key: 2 }))
+        .await
+        .unwrap();
+    wait_until("both reach the interface's consumer", || async {
+        env.ready(&of_base).await == 2
+    })
+    .await;
+    runtime.shutdown().await;
+    let mut keys = Vec::new();
+    while let Some(delivery) = env.take(&of_base).await {
+        let decoded =
+            inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
+        assert_eq!(decoded.context.message_types, [Boarded::TYPE, BASE]);
+        let message: Boarded = serde_json::from_slice(&decoded.message).unwrap();
+        keys.push(message.key);
+    }
+    keys.sort_unstable();
+    assert_eq!(keys, [1, 2]);
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    for exchange in [Boarded::TYPE, BASE] {
+        let _ = channel.exchange_delete(exchange.into(), Default::default()).await;
+    }
+    connection.close(200, "done".into()).await.unwrap();
+}
