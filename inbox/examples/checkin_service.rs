@@ -303,9 +303,10 @@ async fn remove(settings: &inbox::Settings) -> common::Result<()> {
     Ok(())
 }
 
-/// Declares the queue follow-ups go to: durable and quorum, idempotently;
-/// with MassTransit's wire, bound to the fanout exchange of their type
-/// `recorded`, as a MassTransit consumer of it would be.
+/// Declares the queue follow-ups go to, durable, idempotently: quorum;
+/// with MassTransit's wire classic and bound to the fanout exchange of
+/// their type `recorded`, as a MassTransit consumer's endpoint of it
+/// declares it (so that one can start on it).
 async fn declare_forward_queue(
     settings: &inbox::Settings,
     queue: &str,
@@ -313,7 +314,11 @@ async fn declare_forward_queue(
 ) -> common::Result<()> {
     let connection = inbox::tools::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
-    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum).await?;
+    let wire = match recorded {
+        Some(_) => inbox::Wire::Masstransit,
+        None => inbox::Wire::Inbox,
+    };
+    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::default_on(wire)).await?;
     if let Some(exchange) = recorded {
         inbox::tools::bind_to_fanout(&channel, queue, exchange).await?;
     }
