@@ -182,6 +182,12 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<V> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<V::Value, A::Error> {
+        // serde reads a struct from an array too, by position;
+        // System.Text.Json reads an object only from an object, and fails
+        // the message otherwise.
+        if self.fields.is_some() {
+            return Err(de::Error::invalid_type(de::Unexpected::Seq, &self.inner));
+        }
         self.inner.visit_seq(Elements(seq))
     }
 
@@ -461,6 +467,15 @@ mod tests {
         assert!(error.to_string().contains("unknown field `x`"), "{error}");
         // Trailing text after the value is refused, as serde_json does.
         assert!(from_slice::<Strict>(br#"{"attendeeId": 1} {}"#).is_err());
+    }
+
+    #[test]
+    fn a_struct_is_read_from_an_object_only_as_system_text_json_reads_it() {
+        let error = from_slice::<Badge>(br#"["Ada"]"#).unwrap_err();
+        assert!(error.to_string().contains("invalid type: sequence"), "{error}");
+        // A tuple, a vector, a tuple struct still read from arrays.
+        let pair: (i64, String) = from_slice(br#"[1, "a"]"#).unwrap();
+        assert_eq!(pair, (1, "a".to_owned()));
     }
 
     #[test]
