@@ -353,7 +353,7 @@ pub(crate) fn now() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
 
-fn as_u32(value: &AMQPValue) -> Option<u32> {
+pub(crate) fn as_u32(value: &AMQPValue) -> Option<u32> {
     let n: i64 = match value {
         AMQPValue::ShortShortInt(n) => (*n).into(),
         AMQPValue::ShortShortUInt(n) => (*n).into(),

@@ -104,6 +104,7 @@ mod confirms;
 mod db;
 mod deliveries;
 mod envelope;
+mod failures;
 mod fault;
 mod limits;
 mod masstransit;

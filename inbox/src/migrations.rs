@@ -56,6 +56,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_lease_token",
         include_str!("migrations/0009_outbox_lease_token.sql"),
     ),
+    (
+        10,
+        "inbox_failures",
+        include_str!("migrations/0010_inbox_failures.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -671,6 +671,7 @@ const METRICS: &[&str] = &[
     "inbox_in_flight",
     "inbox_consumer_connected",
     "inbox_database_available",
+    "inbox_database_connection_limit",
     "inbox_outbox_pending",
     "inbox_outbox_oldest_pending_seconds",
     "inbox_outbox_dispatched_total",

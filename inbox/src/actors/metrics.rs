@@ -38,6 +38,9 @@ pub const DATABASE_AVAILABLE: &str = "inbox_database_available";
 /// The connections the runtime may hold at once: `database.pool_size`,
 /// less while the server refuses more (53300).
 pub const DATABASE_CONNECTION_LIMIT: &str = "inbox_database_connection_limit";
+/// Copies set aside that the failures drainer wrote into `inbox_failures`,
+/// by `queue` and `kind` (error, skipped).
+pub const FAILURES_INGESTED_TOTAL: &str = "inbox_failures_ingested_total";
 /// Outbox rows waiting to be dispatched.
 pub const OUTBOX_PENDING: &str = "inbox_outbox_pending";
 /// How long the oldest of them has waited.
@@ -88,6 +91,10 @@ pub(crate) fn describe() {
     describe_gauge!(
         DATABASE_CONNECTION_LIMIT,
         "The database connections the runtime may hold at once: database.pool_size, or fewer while the server refuses more (53300)."
+    );
+    describe_counter!(
+        FAILURES_INGESTED_TOTAL,
+        "Copies set aside that the failures drainer wrote into inbox_failures, by queue and kind."
     );
     describe_gauge!(
         OUTBOX_PENDING,
@@ -187,6 +194,10 @@ pub(crate) fn database_available(available: bool) {
 
 pub(crate) fn database_connection_limit(limit: usize) {
     gauge!(DATABASE_CONNECTION_LIMIT).set(limit as f64);
+}
+
+pub(crate) fn failure_ingested(queue: &str, kind: crate::failures::Kind) {
+    counter!(FAILURES_INGESTED_TOTAL, "queue" => queue.to_owned(), "kind" => kind.as_str()).increment(1);
 }
 
 pub(crate) fn outbox_dispatched(rows: usize) {

@@ -26,6 +26,9 @@
 //!   `StopDispatching` at shutdown.
 //! - [`RetentionActor`] (`retention.rs`): deletes inbox rows and dead outbox rows past
 //!   `retention.days` while the inbox is on; [`Sweep`] sweeps now.
+//! - `FailureDrainer` (`drainer.rs`): with `failures.drain`, moves what the
+//!   queues set aside into `inbox_failures`. Takes `StopDraining` at
+//!   shutdown.
 //!
 //! Beside them: `batch.rs` (the dedup actor's batch path), `link.rs` (a
 //! queue's connection, and reconnecting it), `acks.rs` (the window of
@@ -40,6 +43,7 @@ mod availability;
 mod batch;
 mod consumer;
 mod dedup;
+mod drainer;
 mod handler;
 mod health;
 mod link;

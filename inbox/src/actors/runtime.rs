@@ -16,6 +16,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::actors::availability::DatabaseGate;
 use crate::actors::consumer::{ConsumerActor, Disconnect, Drain};
 use crate::actors::dedup::{DedupActor, Routes};
+use crate::actors::drainer::{FailureDrainer, StopDraining};
 use crate::actors::handler::{Decodes, HandledTypes, HandlerRoute, HandlerSource, Route};
 use crate::actors::health::{Health, HealthState};
 use crate::actors::link::Link;
@@ -213,6 +214,7 @@ impl RuntimeBuilder {
             outbox,
             dispatcher: None,
             consumers: Vec::new(),
+            drainer: None,
             retention,
             stats,
             database,
@@ -408,6 +410,9 @@ pub struct Runtime {
     dedup: Addr<DedupActor>,
     consumers: Vec<Addr<ConsumerActor>>,
     retention: Option<Addr<RetentionActor>>,
+    /// Moves what the queues set aside into `inbox_failures`, with
+    /// `failures.drain`.
+    drainer: Option<Addr<FailureDrainer>>,
     publisher: Publisher,
     stats: Arc<Stats>,
     /// Waits out database outages; shared by the consumers.
@@ -522,6 +527,14 @@ impl Runtime {
                 .watch_actor(format!("consumer of {}", queue.name), running(&actor));
             self.consumers.push(actor);
         }
+        // After the consumers: their links have declared the queues it
+        // drains.
+        if self.settings.failures.drain {
+            let (settings, connections) = (Arc::new((*self.settings).clone()), self.connections.clone());
+            let drainer = Supervisor::start(move |_| FailureDrainer::new(settings, connections));
+            self.health.watch_actor("failures drainer", running(&drainer));
+            self.drainer = Some(drainer);
+        }
         Ok(())
     }
 
@@ -610,6 +623,7 @@ impl Runtime {
         let health = Arc::clone(&self.health);
         let consumers = self.consumers.clone();
         let retention = self.retention.clone();
+        let drainer = self.drainer.clone();
         let dispatcher = self.dispatcher.clone();
         let publisher = self.publisher.clone();
         let connections = self.connections.clone();
@@ -631,6 +645,9 @@ impl Runtime {
                 join_all(consumers.iter().map(|consumer| consumer.send(Disconnect))).await;
                 if let Some(retention) = &retention {
                     let _ = retention.send(StopSweeping).await;
+                }
+                if let Some(drainer) = &drainer {
+                    let _ = drainer.send(StopDraining).await;
                 }
                 if let Some(dispatcher) = &dispatcher {
                     let _ = dispatcher.send(StopDispatching).await;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::types::LongString;
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use uuid::Uuid;
 
@@ -262,4 +262,40 @@ pub(crate) fn message_properties(message_id: Uuid, message_type: &str) -> BasicP
         .with_type(message_type.into())
         .with_content_type(JSON.into())
         .with_delivery_mode(crate::fault::PERSISTENT)
+}
+
+/// AMQP headers as a JSON object.
+pub(crate) fn table_json(table: &FieldTable) -> serde_json::Value {
+    serde_json::Value::Object(
+        table
+            .inner()
+            .iter()
+            .map(|(key, value)| (key.as_str().to_owned(), amqp_json(value)))
+            .collect(),
+    )
+}
+
+/// An AMQP value as JSON: text, numbers and flags as themselves, tables
+/// and arrays in kind, bytes as text (lossy), the rest `null`.
+pub(crate) fn amqp_json(value: &AMQPValue) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        AMQPValue::LongString(s) => Value::String(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Value::String(s.as_str().to_owned()),
+        AMQPValue::ByteArray(b) => Value::String(String::from_utf8_lossy(b.as_slice()).into_owned()),
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::Timestamp(n) => (*n).into(),
+        AMQPValue::Float(n) => f64::from(*n).into(),
+        AMQPValue::Double(n) => (*n).into(),
+        AMQPValue::FieldTable(table) => table_json(table),
+        AMQPValue::FieldArray(array) => Value::Array(array.as_slice().iter().map(amqp_json).collect()),
+        _ => Value::Null,
+    }
 }

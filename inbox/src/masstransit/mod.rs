@@ -1065,6 +1065,17 @@ pub(crate) fn envelope_now(
 /// process staged, to bind that exchange as the staging process's type
 /// declared. None for a body that says none, or is no envelope.
 pub(crate) fn implemented_types(envelope: &[u8]) -> Vec<String> {
+    let mut types = types_of(envelope);
+    if !types.is_empty() {
+        types.remove(0);
+    }
+    types
+}
+
+/// The type names an envelope's `messageType` lists, most specific first;
+/// none for a body that lists none, or is no envelope (read in its
+/// camelCase spelling, as MassTransit and this runtime write it).
+pub(crate) fn types_of(envelope: &[u8]) -> Vec<String> {
     #[derive(Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct Types<'a> {
@@ -1072,7 +1083,7 @@ pub(crate) fn implemented_types(envelope: &[u8]) -> Vec<String> {
         message_type: Vec<&'a str>,
     }
     match serde_json::from_slice::<Types<'_>>(envelope) {
-        Ok(types) => type_names(types.message_type.into_iter().skip(1)),
+        Ok(types) => type_names(types.message_type.into_iter()),
         Err(_) => Vec::new(),
     }
 }
@@ -1163,31 +1174,15 @@ fn transferred(key: &str, raw: bool) -> bool {
         || key.starts_with("x-last-death-"))
 }
 
-/// A raw message's AMQP headers as JSON values: text, numbers and flags
-/// as they are; what JSON has no form for (tables, arrays, bytes) left out.
+/// A raw message's AMQP headers as JSON values, as
+/// [`crate::amqp::amqp_json`] reads them; what JSON has no form for
+/// (`null`) left out.
 fn amqp_as_json(headers: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
     headers
         .inner()
         .iter()
-        .filter_map(|(key, value)| {
-            let value = match value {
-                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned().into(),
-                AMQPValue::ShortString(s) => s.as_str().into(),
-                AMQPValue::Boolean(b) => (*b).into(),
-                AMQPValue::ShortShortInt(n) => (*n).into(),
-                AMQPValue::ShortShortUInt(n) => (*n).into(),
-                AMQPValue::ShortInt(n) => (*n).into(),
-                AMQPValue::ShortUInt(n) => (*n).into(),
-                AMQPValue::LongInt(n) => (*n).into(),
-                AMQPValue::LongUInt(n) => (*n).into(),
-                AMQPValue::LongLongInt(n) => (*n).into(),
-                AMQPValue::Timestamp(n) => (*n).into(),
-                AMQPValue::Float(n) => f64::from(*n).into(),
-                AMQPValue::Double(n) => (*n).into(),
-                _ => return None,
-            };
-            Some((key.as_str().to_owned(), value))
-        })
+        .map(|(key, value)| (key.as_str().to_owned(), crate::amqp::amqp_json(value)))
+        .filter(|(_, value)| !value.is_null())
         .collect()
 }
 

@@ -48,6 +48,25 @@ pub struct Settings {
     /// `[outbox]`: dispatching the messages staged with
     /// [`UnitOfWork::publish`](crate::UnitOfWork::publish).
     pub outbox: OutboxSettings,
+    /// `[failures]`: keeping failed messages in the database, for an
+    /// operator.
+    pub failures: FailuresSettings,
+}
+
+/// `[failures]`: where failed messages are kept.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct FailuresSettings {
+    /// `drain`: consume every consumed queue's error and skipped queues
+    /// (`Q.error`, `Q.skipped`; `Q_error`, `Q_skipped`) into the table
+    /// `inbox_failures`, each copy written and committed before it is
+    /// acked, on every instance as competing consumers. On where an
+    /// operator works from the database (the operator plane); off, failures
+    /// stay in the broker for the tools that read those queues (a monitor
+    /// bound to the error exchange still gets every copy either way: the
+    /// drainer consumes the queue, not the exchange). Default `false`.
+    pub drain: bool,
 }
 
 /// How events travel.

@@ -8,6 +8,8 @@ mod support;
 mod dedup;
 // Failing and panicking handlers roll everything back and run again on redelivery.
 mod failures;
+// The failures table: what the queues set aside, drained into one row per message.
+mod failures_table;
 // Malformed deliveries go to the error queue, unknown types to the skipped queue, never looped.
 mod bad_input;
 // Immediate retries, retry tiers, the error queue and its headers, replay.
