@@ -90,15 +90,26 @@ impl Failure {
                 .next()
                 .or_else(|| properties.kind().as_ref().map(|t| t.as_str().to_owned())),
         };
-        let reason = text(crate::fault::headers::REASON)
-            .or_else(|| text("MT-Fault-Message"))
-            .or_else(|| match kind {
-                Kind::Skipped => Some("no handler took it".to_owned()),
-                Kind::Error => {
-                    text("x-last-death-reason").map(|r| format!("dead-lettered by the broker: {r}"))
-                }
-            });
-        let handler = text(crate::fault::headers::HANDLER).or_else(|| text("MT-Fault-ConsumerType"));
+        // Who set it aside says whose headers tell why: this runtime marks
+        // every copy it sets aside; MassTransit writes MT-Reason; the
+        // broker dead-letters a quorum queue's message at its delivery
+        // limit, keeping whatever failure headers an earlier move left on
+        // it, which are not its reason.
+        let by_runtime = table.inner().contains_key(crate::fault::headers::SET_ASIDE);
+        let by_masstransit = !by_runtime && table.inner().contains_key(crate::masstransit::headers::REASON);
+        let broker_reason = text("x-last-death-reason").filter(|_| !by_runtime && !by_masstransit);
+        let (reason, handler) = match broker_reason {
+            Some(why) => (
+                Some(format!("dead-lettered by the broker: {why}")),
+                Some("broker".to_owned()),
+            ),
+            None => (
+                text(crate::fault::headers::REASON)
+                    .or_else(|| text("MT-Fault-Message"))
+                    .or_else(|| (kind == Kind::Skipped).then(|| "no handler took it".to_owned())),
+                text(crate::fault::headers::HANDLER).or_else(|| text("MT-Fault-ConsumerType")),
+            ),
+        };
         let attempts = number(table, crate::fault::headers::ATTEMPTS)
             .or_else(|| number(table, "MT-Fault-RetryCount").map(|retries| retries.saturating_add(1)))
             .unwrap_or(0);
@@ -362,6 +373,27 @@ mod tests {
         );
         assert_eq!(failure.properties["content_type"], "application/json");
         assert_eq!(failure.headers["x-inbox-attempts"], 4);
+
+        // Dead-lettered by the broker at its delivery limit after an
+        // earlier failure: the broker's reason, not the stale one.
+        let mut stale = FieldTable::default();
+        stale.insert(
+            "x-inbox-reason".into(),
+            AMQPValue::LongString("an old failure".into()),
+        );
+        stale.insert(
+            "x-last-death-reason".into(),
+            AMQPValue::LongString("delivery_limit".into()),
+        );
+        let dead_lettered = BasicProperties::default().with_headers(stale);
+        let failure = Failure::of("q", Kind::Error, "q.error", Wire::Inbox, &dead_lettered, b"{}");
+        assert_eq!(
+            (failure.reason.as_deref(), failure.handler.as_deref()),
+            (
+                Some("dead-lettered by the broker: delivery_limit"),
+                Some("broker")
+            )
+        );
 
         // No valid id: keyed by its body, the same body the same key.
         let bare = BasicProperties::default();
