@@ -13,7 +13,7 @@
 use std::time::SystemTime;
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use uuid::Uuid;
 
 use crate::db::Connections;
@@ -129,16 +129,58 @@ impl Failure {
             kind,
             set_aside_in: set_aside_in.to_owned(),
             fingerprint: fingerprint(message_type.as_deref(), handler.as_deref(), reason.as_deref()),
-            message_type,
-            properties: properties_json(properties),
-            headers: crate::amqp::table_json(table),
+            message_type: message_type.map(storable),
+            properties: storable_json(properties_json(properties)),
+            headers: storable_json(crate::amqp::table_json(table)),
             body: body.to_vec(),
-            reason,
-            handler,
+            reason: reason.map(storable),
+            handler: handler.map(storable),
             attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
             first_failed_at,
             last_failed_at,
         }
+    }
+}
+
+impl Failure {
+    /// The row without what it could not be written with (`why`): its
+    /// properties and headers, said in its reason. A row the database
+    /// refuses must not hold the drainer up: the copy is acked only once a
+    /// row is written, and the next copies wait behind it. The body, bytes
+    /// the database always takes, is kept.
+    pub(crate) fn bare(mut self, why: &Error) -> Self {
+        self.properties = serde_json::Value::Object(serde_json::Map::new());
+        self.headers = serde_json::Value::Object(serde_json::Map::new());
+        let cut = crate::fault::truncate(&storable(crate::error::describe(why)), 512).into_owned();
+        self.reason = Some(format!(
+            "{} [its headers could not be stored: {cut}]",
+            self.reason.as_deref().unwrap_or("no reason")
+        ));
+        self
+    }
+}
+
+/// `text` as PostgreSQL stores it: `text` and `jsonb` take no NUL, which a
+/// header (untrusted) may hold.
+fn storable(text: String) -> String {
+    match text.contains('\0') {
+        true => text.replace('\0', "\u{fffd}"),
+        false => text,
+    }
+}
+
+/// [`storable`] for every string of `value`, keys too.
+fn storable_json(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::String(text) => Value::String(storable(text)),
+        Value::Array(items) => Value::Array(items.into_iter().map(storable_json).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(key, value)| (storable(key), storable_json(value)))
+                .collect(),
+        ),
+        other => other,
     }
 }
 
@@ -261,11 +303,7 @@ fn envelope_id(body: &[u8]) -> Option<Uuid> {
 }
 
 fn header_text(table: &FieldTable, key: &str) -> Option<String> {
-    match table.inner().get(key)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
+    table.inner().get(key).and_then(crate::fault::as_text)
 }
 
 fn number(table: &FieldTable, key: &str) -> Option<u32> {
@@ -307,6 +345,8 @@ fn properties_json(properties: &BasicProperties) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
+    use lapin::types::AMQPValue;
+
     use super::*;
 
     #[test]
@@ -394,6 +434,20 @@ mod tests {
                 Some("broker")
             )
         );
+
+        // A NUL in a header (PostgreSQL's text and jsonb take none).
+        let mut nul = FieldTable::default();
+        nul.insert("x-inbox-reason".into(), AMQPValue::LongString("a\0b".into()));
+        let failure = Failure::of(
+            "q",
+            Kind::Error,
+            "q.error",
+            Wire::Inbox,
+            &BasicProperties::default().with_headers(nul),
+            b"{}",
+        );
+        assert_eq!(failure.reason.as_deref(), Some("a\u{fffd}b"));
+        assert_eq!(failure.headers["x-inbox-reason"], "a\u{fffd}b");
 
         // No valid id: keyed by its body, the same body the same key.
         let bare = BasicProperties::default();

@@ -206,7 +206,14 @@ impl Fault<'_> {
         // or sent to a tier, anew: the mark goes, and the move says again
         // if it is one.
         *headers = without(headers, &headers::BROKER_OWNED);
-        *headers = without(headers, &[headers::SET_ASIDE]);
+        // Every sign that reads as "set aside before" (see
+        // `set_aside_before`) goes, on both wires: a producer's `MT-Reason`
+        // left on a retry tier's copy would read as fresh again when it
+        // comes back, and walk the first tier without end.
+        *headers = without(
+            headers,
+            &[headers::SET_ASIDE, crate::masstransit::headers::REASON],
+        );
         headers.insert(headers::REASON.into(), text(self.reason, MAX_REASON_BYTES));
         headers.insert(headers::HANDLER.into(), text(self.handler, MAX_VALUE_BYTES));
         headers.insert(
@@ -367,7 +374,7 @@ pub(crate) fn as_u32(value: &AMQPValue) -> Option<u32> {
     u32::try_from(n).ok()
 }
 
-fn as_text(value: &AMQPValue) -> Option<String> {
+pub(crate) fn as_text(value: &AMQPValue) -> Option<String> {
     match value {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
@@ -377,6 +384,37 @@ fn as_text(value: &AMQPValue) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_copy_stamped_for_a_move_no_longer_reads_as_set_aside_before() {
+        let mut headers = FieldTable::default();
+        headers.insert("MT-Reason".into(), AMQPValue::LongString("fault".into()));
+        headers.insert(headers::SET_ASIDE.into(), AMQPValue::LongString("q.error".into()));
+        headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(3));
+        assert_eq!(
+            FailureHistory::read(&headers).attempts,
+            0,
+            "came back: a fresh budget"
+        );
+        let history = FailureHistory {
+            attempts: 4,
+            redeliveries: 1,
+            ..FailureHistory::default()
+        };
+        let fault = Fault {
+            reason: "boom",
+            handler: "H",
+            history: history.clone(),
+            source_queue: "q",
+        };
+        fault.stamp(&mut headers);
+        let read = FailureHistory::read(&headers);
+        assert_eq!(
+            (read.attempts, read.redeliveries),
+            (4, 1),
+            "back from its tier, it goes on from where it was"
+        );
+    }
+
     use super::*;
 
     #[test]

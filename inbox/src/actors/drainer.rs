@@ -185,7 +185,7 @@ async fn drain(
             ));
         };
         let delivery = delivery.map_err(Error::client)?;
-        let failure = Failure::of(
+        let mut failure = Failure::of(
             &source.queue,
             source.kind,
             &source.set_aside_in,
@@ -194,9 +194,17 @@ async fn drain(
             &delivery.data,
         );
         // Written before the ack, however long the database takes: the
-        // copy stays unacked (in the queue) meanwhile.
+        // copy stays unacked (in the queue) meanwhile. A row the database
+        // refuses for what it holds (not for being away) is written bare,
+        // once: one copy must not hold up the others.
         let mut pause = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
+        let mut stripped = false;
         while let Err(e) = crate::failures::record(connections, &failure).await {
+            if !stripped && !e.is_unavailable() {
+                stripped = true;
+                failure = failure.bare(&e);
+                continue;
+            }
             let wait = pause.next_pause();
             tracing::warn!(
                 error = %e,
