@@ -288,8 +288,7 @@ impl AmqpPublisher {
             "direct" => ExchangeKind::Direct,
             "topic" => ExchangeKind::Topic,
             "headers" => ExchangeKind::Headers,
-            "fanout" => ExchangeKind::Fanout,
-            other => ExchangeKind::Custom(other.to_owned()),
+            _ => ExchangeKind::Fanout,
         };
         let declaring = channel.exchange_declare(exchange.into(), kind, options, FieldTable::default());
         tokio::time::timeout(self.confirm_timeout, declaring)

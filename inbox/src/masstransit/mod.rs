@@ -955,7 +955,15 @@ impl SendAddress {
                 }
                 "durable" => send.durable = yes,
                 "autodelete" => send.auto_delete = yes,
-                "type" if !value.is_empty() => send.kind = value.to_ascii_lowercase(),
+                // The address comes with the message (untrusted): a type
+                // the broker does not know would close the connection the
+                // queue is consumed on, so only RabbitMQ's own are taken.
+                "type" => {
+                    let kind = value.to_ascii_lowercase();
+                    if ["direct", "topic", "headers", "fanout"].contains(&kind.as_str()) {
+                        send.kind = kind;
+                    }
+                }
                 _ => {}
             }
         }
@@ -1705,6 +1713,11 @@ mod tests {
         assert_eq!(
             parse("rabbitmq://localhost/orders?type=topic&durable=false").map(|a| (a.kind, a.durable)),
             Some(("topic".to_owned(), false))
+        );
+        assert_eq!(
+            parse("rabbitmq://localhost/orders?type=x-made-up").map(|a| a.kind),
+            Some("fanout".to_owned()),
+            "a type the broker may not know is not declared"
         );
         assert_eq!(parse("rabbitmq://localhost/"), None);
         assert_eq!(parse("sb://azure/orders"), None);
