@@ -1753,6 +1753,48 @@ mod tests {
         assert_eq!(context.correlation_id, Some(guid));
     }
 
+    /// A consumed envelope of `headers` (a JSON object), as a handler's
+    /// context sees it.
+    fn consumed_with(headers: serde_json::Value) -> crate::MessageContext {
+        let envelope = crate::envelope::Envelope {
+            message_id: Uuid::now_v7(),
+            event_type: "Conference.Contracts:AttendeeCheckedIn".into(),
+            body: b"{}".to_vec(),
+            headers: FieldTable::default(),
+            redelivered: false,
+            attempt: 1,
+            trace: None,
+            masstransit: Some(Context {
+                headers: Some(headers.to_string()),
+                ..Context::default()
+            }),
+            input_address: None,
+            decoded: Default::default(),
+            span: tracing::Span::none(),
+        };
+        crate::MessageContext::of(&std::sync::Arc::new(envelope))
+    }
+
+    #[test]
+    fn a_follow_up_carries_every_consumed_header_in_its_envelope_and_a_bounded_few_as_amqp_headers() {
+        // A hundred headers of a kilobyte each (untrusted, as sent): all in
+        // the envelope, which MassTransit's consumers read; as AMQP headers
+        // no more than the frame can take beside the follow-up's own.
+        let big: serde_json::Map<String, serde_json::Value> = (0..100)
+            .map(|i| (format!("h{i:03}"), serde_json::Value::String("x".repeat(1024))))
+            .chain([("MT-Activity-Id".to_owned(), "00-a-b-01".into())])
+            .collect();
+        let context = consumed_with(serde_json::Value::Object(big));
+        let headers = follow_up_headers(Some(&context), None);
+        assert_eq!(headers.envelope.len(), 100, "every header but MassTransit's own");
+        let amqp: usize = headers.amqp.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(
+            amqp <= MAX_TRANSFERRED_AMQP_BYTES && !headers.amqp.is_empty(),
+            "{amqp}"
+        );
+        assert!(!headers.amqp.iter().any(|(k, _)| k.starts_with("MT-")));
+    }
+
     #[test]
     fn a_follow_up_carries_every_header_but_masstransits_and_a_raw_messages_metadata() {
         for key in ["tenant", "traceparent", "x-custom", "MessageId", "x-inbox-reason"] {
