@@ -1453,6 +1453,7 @@ async fn outbox(rows: usize) -> Result<()> {
                 message_type: "AttendeeCheckedIn".into(),
                 headers: Vec::new(),
                 body: body.clone(),
+                properties: None,
             };
             async move {
                 publisher

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
-//!     [--forward-to QUEUE] [--http ADDR] [--wire inbox|masstransit]
+//!     [--forward-to QUEUE] [--http ADDR [--ops-tokens FILE]] [--wire inbox|masstransit]
 //! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
 //!
@@ -46,8 +46,14 @@
 //!   else 503;
 //! - `GET /metrics`: the runtime's metrics, in Prometheus' text format.
 //!
+//! With `--ops-tokens FILE` (one `NAME ROLE TOKEN` a line), it drains its
+//! error and skipped queues into the failures table (`failures.drain`)
+//! and serves the operator plane beside them: the page at `/ops/` and the
+//! JSON API at `/ops/v1/` (docs/operations.md, "On call"). Without it,
+//! nothing under `/ops` is served and nothing is drained.
+//!
 //! The health bodies are JSON: `{"ok": true, "reasons": []}`, the reasons
-//! saying what is wrong. One SIGINT or SIGTERM stops the server and the
+//! saying what is wrong (and `"paused"`, the queues an operator paused). One SIGINT or SIGTERM stops the server and the
 //! runtime together, their drains overlapping (docs/operations.md).
 //!
 //! `--abort-on-attendee ID` is a crash-loop demonstration: the process
@@ -100,6 +106,21 @@ async fn run() -> common::Result<()> {
         Some(address) => Some((address, common::install_prometheus()?)),
         None => None,
     };
+    // The operator plane: its tokens read (and refused) before anything
+    // starts, and the failures drained into the table it shows.
+    let access = match common::arg("--ops-tokens") {
+        None => None,
+        Some(_) if http.is_none() => {
+            return Err("--ops-tokens serves the operator plane: it needs --http".into());
+        }
+        Some(file) => {
+            settings = settings.with(|settings| {
+                settings.failures.drain = true;
+                settings.failures.token_files = vec![file.into()];
+            })?;
+            Some(inbox::ops::access::Access::from_settings(&settings)?)
+        }
+    };
     if let Some(name) = common::own_database(&settings) {
         common::create_database(&settings, &name).await?;
     }
@@ -151,7 +172,7 @@ async fn run() -> common::Result<()> {
         }
     });
     match http {
-        Some((address, metrics)) => serve(runtime, signal, &address, metrics).await,
+        Some((address, metrics)) => serve(runtime, signal, &address, metrics, access).await,
         None => {
             runtime.run_until(signal).await;
             Ok(())
@@ -174,17 +195,28 @@ async fn serve(
     signal: impl Future<Output = ()> + 'static,
     address: &str,
     metrics: PrometheusHandle,
+    access: Option<inbox::ops::access::Access>,
 ) -> common::Result<()> {
     let endpoints = Endpoints {
         health: runtime.monitor(),
         metrics,
     };
+    let operations = runtime.operations();
+    let access_served = access.is_some();
     let server = HttpServer::new(move || {
-        App::new()
+        let app = App::new()
             .app_data(web::Data::new(endpoints.clone()))
             .route("/health/live", web::get().to(live))
             .route("/health/ready", web::get().to(ready))
-            .route("/metrics", web::get().to(render_metrics))
+            .route("/metrics", web::get().to(render_metrics));
+        match &access {
+            Some(access) => app.service(inbox::ops::http::scope(
+                "/ops",
+                operations.clone(),
+                access.clone(),
+            )),
+            None => app,
+        }
     })
     .workers(1)
     .disable_signals() // one signal handler for the whole service
@@ -192,7 +224,12 @@ async fn serve(
     .bind(address)
     .map_err(|e| common::BoxError::from(format!("--http {address}: cannot listen: {e}")))?
     .run();
-    tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
+    match access_served {
+        true => {
+            tracing::info!(%address, "serving /health/live, /health/ready, /metrics and the operator plane at /ops/")
+        }
+        false => tracing::info!(%address, "serving /health/live, /health/ready and /metrics"),
+    }
     let http = server.handle();
     let (stop, stopped) = tokio::sync::oneshot::channel();
     actix_rt::spawn(async move {

@@ -187,8 +187,10 @@ fn storable_json(value: serde_json::Value) -> serde_json::Value {
 /// Writes `failure` into its row, committed at once: a new row, or the
 /// message's row brought up to date. The same copy written again changes
 /// nothing; a later failure of the message counts once more and opens its
-/// row again, whatever an operator did with it before.
-pub(crate) async fn record(connections: &Connections, failure: &Failure) -> Result<()> {
+/// row again, whatever an operator did with it before. Answers whether it
+/// is a redriven message that failed again (a copy written twice, after a
+/// crash between its commit and its ack, answers so twice).
+pub(crate) async fn record(connections: &Connections, failure: &Failure) -> Result<bool> {
     let client = connections.get().await.map_err(Error::client)?;
     let statement = client
         .prepare_cached(
@@ -212,14 +214,16 @@ pub(crate) async fn record(connections: &Connections, failure: &Failure) -> Resu
                  status = CASE WHEN EXCLUDED.last_failed_at > inbox_failures.last_failed_at
                                THEN 'open' ELSE inbox_failures.status END,
                  last_failed_at = GREATEST(inbox_failures.last_failed_at, EXCLUDED.last_failed_at),
-                 updated_at = now()",
+                 updated_at = now()
+             RETURNING redriven_at IS NOT NULL AND status = 'open' AND last_failed_at > redriven_at
+                       AND last_failed_at = $16",
         )
         .await
         .map_err(Error::client)?;
     let properties = failure.properties.to_string();
     let headers = failure.headers.to_string();
-    client
-        .execute(
+    let row = client
+        .query_one(
             &statement,
             &[
                 &Uuid::now_v7(),
@@ -242,8 +246,29 @@ pub(crate) async fn record(connections: &Connections, failure: &Failure) -> Resu
         )
         .await
         .map_err(Error::client)?;
-    Ok(())
+    row.try_get(0).map_err(Error::client)
 }
+
+/// The failure row of the outbox row `$1` (its `seq`), parked as dead in
+/// the same transaction: queue `outbox`, kind `dead_outbox`, its last
+/// error as the reason, `$2` a new row's id and `$3` its fingerprint. A row
+/// that dies again (revived, failed again) comes back to its failure row
+/// and opens it again.
+pub(crate) const RECORD_DEAD_OUTBOX_ROW: &str = "
+    INSERT INTO inbox_failures (id, queue, message_key, message_id, kind, set_aside_in, message_type,
+        properties, headers, body, reason, handler, attempts, fingerprint, first_failed_at, last_failed_at)
+    SELECT $2, 'outbox', o.message_id::text, o.message_id, 'dead_outbox', 'outbox_messages', o.message_type,
+        jsonb_build_object('exchange', o.exchange, 'routing_key', o.routing_key), o.headers, o.body,
+        o.last_error, 'outbox', o.attempts, $3, o.created_at, now()
+    FROM outbox_messages o WHERE o.seq = $1
+    ON CONFLICT (queue, message_key) DO UPDATE SET
+        reason = EXCLUDED.reason,
+        attempts = EXCLUDED.attempts,
+        fingerprint = EXCLUDED.fingerprint,
+        times_failed = inbox_failures.times_failed + 1,
+        status = 'open',
+        last_failed_at = EXCLUDED.last_failed_at,
+        updated_at = now()";
 
 /// What groups the same failure across messages: the type, the handler,
 /// and the reason with what differs from one message to the next (numbers,

@@ -16,7 +16,15 @@ pub async fn sweep(
     pool: &deadpool_postgres::Pool,
     retention: &crate::settings::RetentionSettings,
 ) -> crate::Result<crate::retention::SweepReport> {
-    crate::retention::sweep(&pool.clone().into(), retention).await
+    crate::retention::sweep(&pool.clone().into(), retention, false).await
+}
+
+/// [`sweep`], failures nobody resolved kept (as with `failures.drain`).
+pub async fn sweep_keeping_failures(
+    pool: &deadpool_postgres::Pool,
+    retention: &crate::settings::RetentionSettings,
+) -> crate::Result<crate::retention::SweepReport> {
+    crate::retention::sweep(&pool.clone().into(), retention, true).await
 }
 
 /// Drains the outbox as the runtime's dispatcher does (rounds pipelined,

@@ -93,6 +93,7 @@ mod error;
 mod event;
 mod handler;
 mod migrations;
+pub mod ops;
 pub mod settings;
 pub mod store;
 mod unit_of_work;

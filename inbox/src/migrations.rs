@@ -61,6 +61,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_failures",
         include_str!("migrations/0010_inbox_failures.sql"),
     ),
+    (
+        11,
+        "inbox_operations",
+        include_str!("migrations/0011_inbox_operations.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

@@ -1,6 +1,9 @@
-//! Retention: deleting inbox rows, dead outbox rows and redelivery counts
-//! older than `retention.days`, in bounded batches, one instance per
-//! database at a time (ADR-005: one cleanup for every table).
+//! Retention: deleting inbox rows, dead outbox rows, redelivery counts and
+//! failures older than `retention.days`, in bounded batches, one instance
+//! per database at a time (ADR-005: one cleanup for every table). Where an
+//! operator works from the failures table (`failures.drain`), a failure
+//! nobody has resolved (redriven or discarded) stays, and so does the dead
+//! outbox row it stands for, however old.
 
 use std::time::{Duration, Instant};
 
@@ -11,27 +14,40 @@ use crate::db::{Connection, Connections, Slot};
 use crate::error::Result;
 use crate::settings::RetentionSettings;
 
-/// A table the sweep keeps trimmed, and the column that dates its rows (a
-/// row whose column is NULL is never due).
+/// A table the sweep keeps trimmed, the column that dates its rows (a row
+/// whose column is NULL is never due), and which of the due rows stay
+/// while failures are kept until resolved (`failures.drain`).
 struct Swept {
     table: &'static str,
     dated_by: &'static str,
+    unless_unresolved: &'static str,
 }
 
 const SWEPT: &[Swept] = &[
     Swept {
         table: "inbox_messages",
         dated_by: "processed_at",
+        unless_unresolved: "",
     },
     // Dispatched rows are deleted on confirm; only the dead ones age here.
     Swept {
         table: "outbox_messages",
         dated_by: "dead_at",
+        unless_unresolved: "AND NOT EXISTS (SELECT 1 FROM inbox_failures f
+             WHERE f.queue = 'outbox' AND f.message_key = outbox_messages.message_id::text
+               AND f.status IN ('open', 'redriving'))",
     },
     // Redeliveries counted on queues whose broker does not count them.
     Swept {
         table: "inbox_deliveries",
         dated_by: "last_delivered_at",
+        unless_unresolved: "",
+    },
+    // Failures, by their last change.
+    Swept {
+        table: "inbox_failures",
+        dated_by: "updated_at",
+        unless_unresolved: "AND status IN ('redriven', 'discarded')",
     },
 ];
 
@@ -64,8 +80,14 @@ pub struct SweepReport {
 /// Deletes every row older than `retention.days`, `retention.batch_size`
 /// rows per statement (each its own transaction, skipping rows locked by
 /// someone else), until nothing is due. Unless another instance is sweeping
-/// the same database: then it returns at once with `swept: false`.
-pub(crate) async fn sweep(connections: &Connections, retention: &RetentionSettings) -> Result<SweepReport> {
+/// the same database: then it returns at once with `swept: false`. With
+/// `keep_unresolved`, failures nobody resolved stay (see the module's
+/// documentation).
+pub(crate) async fn sweep(
+    connections: &Connections,
+    retention: &RetentionSettings,
+    keep_unresolved: bool,
+) -> Result<SweepReport> {
     let started = Instant::now();
     let Some(lock) = SweepLock::try_take(connections.get().await.map_err(Error::client)?).await? else {
         return Ok(SweepReport::default());
@@ -82,10 +104,15 @@ pub(crate) async fn sweep(connections: &Connections, retention: &RetentionSettin
         // message's transaction holds to that transaction.
         let sql = format!(
             "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
-                 SELECT ctid FROM {table} WHERE {dated_by} < now() - $1::float8 * interval '1 second'
+                 SELECT ctid FROM {table} WHERE {dated_by} < now() - $1::float8 * interval '1 second' {kept}
                  LIMIT $2 FOR UPDATE SKIP LOCKED))",
             table = swept.table,
             dated_by = swept.dated_by,
+            kept = if keep_unresolved {
+                swept.unless_unresolved
+            } else {
+                ""
+            },
         );
         let statement = lock
             .connection()

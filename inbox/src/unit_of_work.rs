@@ -619,6 +619,7 @@ fn outgoing<E: IntegrationEvent>(
         message_type: E::TYPE.to_owned(),
         headers,
         body,
+        properties: None,
     };
     if let Err(reason) = outgoing.check(outbox.max_message_size) {
         return Err(Error::unpublishable(

@@ -57,6 +57,12 @@
 //! consumer is connected to and brings it back; the service's own SIGKILLs
 //! and the crash loop run as usual. The line ends with `node_kills=2`.
 //!
+//! With `--ops`, the service runs with the operator plane
+//! (`--ops-tokens`): it drains its error queue into the failures table
+//! while it is killed with the rest, and the suite finds the failures
+//! there: exactly one row per failed message (failing, malformed, the
+//! crash-looping one), and the error queue empty.
+//!
 //! With `--tls` (run by tests/fault_suite.sh with `DATABASE_URL` and
 //! `AMQP_URL` naming the servers of tests/tls_servers.sh: `verify-full` and
 //! `amqps://`), the service and the suite reach a PostgreSQL that takes TLS
@@ -159,6 +165,9 @@ struct Suite {
     cluster: bool,
     /// Cluster nodes SIGKILLed (and brought back).
     node_kills: usize,
+    /// `--ops`: the service's token file; it drains its error queue into
+    /// the failures table.
+    ops: Option<std::path::PathBuf>,
 }
 
 async fn run() -> Result<bool> {
@@ -225,6 +234,18 @@ async fn run() -> Result<bool> {
     if masstransit_after && wire != Wire::Masstransit {
         return Err(fail("--masstransit-after goes with --wire masstransit"));
     }
+    let ops = match std::env::args().any(|arg| arg == "--ops") {
+        false => None,
+        true => {
+            let tokens =
+                std::env::temp_dir().join(format!("fault-suite-tokens-{}", inbox::uuid::Uuid::now_v7()));
+            std::fs::write(&tokens, "suite operator fault-suite-token-0123456789\n")?;
+            eprintln!(
+                "fault_suite: the service drains its error queue into the failures table (--ops-tokens)"
+            );
+            Some(tokens)
+        }
+    };
     let mut suite = Suite {
         started,
         settings,
@@ -244,6 +265,7 @@ async fn run() -> Result<bool> {
         tls,
         cluster,
         node_kills: 0,
+        ops,
     };
     let mut child = suite.start_service()?;
     wait_for_queue(&suite.settings, &suite.queue).await?;
@@ -317,6 +339,27 @@ async fn run() -> Result<bool> {
 }
 
 impl Suite {
+    /// How many copies were set aside: those in `error_queue`, and with
+    /// `--ops` those drained into the failures table (a copy whose row is
+    /// committed and whose ack is not yet counts twice: "at least").
+    async fn set_aside(&self, error_queue: &str) -> Result<u32> {
+        let in_queue = ready(&self.settings, error_queue).await?;
+        if self.ops.is_none() {
+            return Ok(in_queue);
+        }
+        let pool = inbox::tools::create_pool(&self.settings)?;
+        let rows: i64 = pool
+            .get()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM inbox_failures WHERE queue = $1",
+                &[&self.queue],
+            )
+            .await?
+            .get(0);
+        Ok(in_queue + u32::try_from(rows).unwrap_or(u32::MAX))
+    }
+
     /// The whole run's bound; past it the suite fails.
     fn deadline(&self) -> Duration {
         if self.cluster { CLUSTER_DEADLINE } else { DEADLINE }
@@ -356,6 +399,11 @@ impl Suite {
                     Wire::Masstransit => "masstransit",
                 },
             ])
+            .args(
+                self.ops
+                    .iter()
+                    .flat_map(|tokens| [std::ffi::OsStr::new("--ops-tokens"), tokens.as_os_str()]),
+            )
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.settings.message_bus.amqp_urls[0])
             .env("INBOX__FAILURE__DELAYS", DELAYS)
@@ -479,7 +527,7 @@ impl Suite {
             // SIGTERM before it consumes: one earlier would kill it before
             // it drains.
             let main = probe(&self.settings, &self.queue).await?;
-            let calm = ready(&self.settings, &error_queue).await? >= set_aside
+            let calm = self.set_aside(&error_queue).await? >= set_aside
                 && main.message_count() == 0
                 && main.consumer_count() > 0;
             if !calm {
@@ -653,7 +701,11 @@ impl Suite {
                 return;
             }
         };
-        for name in METRICS {
+        let ops: &[&str] = match self.ops {
+            Some(_) => OPS_METRICS,
+            None => &[],
+        };
+        for name in METRICS.iter().chain(ops) {
             let present = text
                 .lines()
                 .any(|line| line.starts_with(name) && !line.starts_with('#'));
@@ -661,6 +713,15 @@ impl Suite {
         }
     }
 }
+
+/// What the operator plane adds, with `--ops`: the drainer's count and
+/// the operator actor's samples.
+const OPS_METRICS: &[&str] = &[
+    "inbox_failures_ingested_total",
+    "inbox_failures_open",
+    "inbox_failures_oldest_open_seconds",
+    "inbox_operator_jobs_running",
+];
 
 /// Every metric the runtime exports (docs/operations.md).
 const METRICS: &[&str] = &[
@@ -1101,7 +1162,7 @@ async fn wait_until_settled(
         for tier in 1..=suite.settings.failure.delays.len() {
             busy += ready(&suite.settings, &suite.wire.retry_queue(&suite.queue, tier)).await?;
         }
-        let errors = ready(&suite.settings, &suite.wire.error_queue(&suite.queue)).await?;
+        let errors = suite.set_aside(&suite.wire.error_queue(&suite.queue)).await?;
         if last_report.elapsed() > Duration::from_secs(10) {
             suite.say(&format!(
                 "settling: {busy} waiting, {errors} of {expected_errors} in the error queue"
@@ -1221,6 +1282,38 @@ async fn check(
             markers.insert(marker.clone());
         }
     }
+    // With --ops, the drainer moved them into the failures table: one row
+    // each, and none left in the queue.
+    let mut drained = None;
+    if suite.ops.is_some() {
+        let rows = db
+            .query(
+                "SELECT message_id, body, headers FROM inbox_failures WHERE queue = $1 AND kind = 'error'",
+                &[&suite.queue],
+            )
+            .await?;
+        let expected_rows = published.failing.len() + published.malformed.len() + 1;
+        drained = Some((rows.len(), expected_rows, in_error));
+        in_error = u32::try_from(rows.len()).unwrap_or(u32::MAX);
+        for row in &rows {
+            let id: Option<inbox::uuid::Uuid> = row.get(0);
+            let body: Vec<u8> = row.get(1);
+            let headers: serde_json::Value = row.get(2);
+            if let Some(id) = id {
+                if id == poison {
+                    poison_death = headers["x-death"][0]["reason"]
+                        .as_str()
+                        .map(str::to_owned)
+                        .or_else(|| headers["x-inbox-handler"].as_str().map(|h| h.replace(' ', "_")));
+                }
+                error_ids.insert(id);
+            }
+            let body = String::from_utf8_lossy(&body);
+            if let Some(marker) = published.malformed.iter().find(|m| body.contains(m.as_str())) {
+                markers.insert(marker.clone());
+            }
+        }
+    }
     let failing_in_error = published.failing.iter().all(|id| error_ids.contains(id));
     let malformed_in_error = markers == published.malformed;
     let forwards = read_forwards(&suite.settings, &suite.queue, published).await?;
@@ -1249,6 +1342,10 @@ async fn check(
         forwards.copies,
     );
     let mut checks = vec![
+        (
+            drained.is_none_or(|(rows, expected, left)| rows == expected && left == 0),
+            "with --ops: one failures row per failed message, and the error queue drained",
+        ),
         (lost == 0, "no effect lost"),
         (duplicated == 0, "no effect applied twice"),
         (attendance_agrees, "session_attendance agrees"),

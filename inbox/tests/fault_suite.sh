@@ -11,11 +11,13 @@ cargo build --quiet --example checkin_service
 cargo test --quiet --test fault_suite --no-run
 suite() { timeout 300 cargo test --quiet --test fault_suite -- "$@"; }
 # One message per transaction, then batches of up to 8; then both again
-# with the service and the suite speaking MassTransit's wire.
+# with the service and the suite speaking MassTransit's wire. The batched
+# runs serve the operator plane (--ops): the error queue is drained into
+# the failures table under the same kills, one row per failed message.
 suite
-suite --batch-size 8
+suite --batch-size 8 --ops
 suite --wire masstransit
-suite --wire masstransit --batch-size 8
+suite --wire masstransit --batch-size 8 --ops
 # Once more on an endpoint MassTransit declared first: classic queues
 # without a delivery limit, taken over as they are.
 suite --wire masstransit --masstransit-endpoint

@@ -32,8 +32,10 @@
 //! waits for the broker's confirm before acking the original: a crash in
 //! between leaves a duplicate for the inbox to skip, never a loss.
 //! Receives [`Drain`] at shutdown: stops consuming, waits for the
-//! messages in flight and closes its connection; and [`Disconnect`] when
-//! the shutdown timeout is up: closes it at once.
+//! messages in flight and closes its connection; [`Disconnect`] when
+//! the shutdown timeout is up: closes it at once; and [`Pause`] from the
+//! operator actor: stops consuming (the messages in flight finish) until
+//! told to resume, which consumes over a new link.
 //!
 //! The queue has a connection of its own ([`Link`]), and this actor is the
 //! one owner of its reconnection (lapin's own recovery is off: with both,
@@ -89,6 +91,20 @@ pub(crate) struct Disconnect;
 #[rtype(result = "()")]
 pub(crate) struct Flush;
 
+/// What a consumer says of itself to the runtime's health.
+pub(crate) struct ConsumerFlags {
+    /// Connected and consuming.
+    pub(crate) connected: Arc<AtomicBool>,
+    /// Paused by an operator.
+    pub(crate) paused: Arc<AtomicBool>,
+}
+
+/// Stop consuming (`Pause(true)`) until told to resume (`Pause(false)`):
+/// an operator paused the queue.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Pause(pub(crate) bool);
+
 /// Consumes one queue.
 pub(crate) struct ConsumerActor {
     settler: Arc<Settler>,
@@ -114,6 +130,10 @@ pub(crate) struct ConsumerActor {
     connected: Arc<AtomicBool>,
     metrics: Arc<QueueMetrics>,
     draining: bool,
+    /// Paused by an operator: not consuming, not reconnecting.
+    paused: bool,
+    /// Says so to the runtime's health.
+    paused_flag: Arc<AtomicBool>,
     drained: Vec<oneshot::Sender<()>>,
     stream_ended: bool,
     batching: Batching,
@@ -179,8 +199,9 @@ impl ConsumerActor {
         dedup: Addr<DedupActor>,
         stats: Arc<Stats>,
         database: Arc<DatabaseGate>,
-        connected: Arc<AtomicBool>,
+        flags: ConsumerFlags,
     ) -> Self {
+        let ConsumerFlags { connected, paused } = flags;
         let metrics = Arc::new(QueueMetrics::new(&queue.name));
         let settler = Settler {
             queue: queue.name.clone(),
@@ -213,6 +234,8 @@ impl ConsumerActor {
             connected,
             metrics,
             draining: false,
+            paused: false,
+            paused_flag: paused,
             drained: Vec::new(),
             stream_ended: false,
             settling: FuturesUnordered::new(),
@@ -417,6 +440,10 @@ impl ConsumerActor {
 
     /// The current link's consumer stream ended.
     fn on_stream_end(&mut self, ctx: &mut Context<Self>) {
+        if self.paused && !self.draining {
+            tracing::debug!(queue = %self.queue.name, "the paused consumer's stream ended");
+            return;
+        }
         if !self.draining {
             // The connection was lost, or the broker cancelled the
             // consumer (the queue was deleted, a node went): start over.
@@ -438,7 +465,12 @@ impl ConsumerActor {
     /// end, so start over.
     fn check_channel(&mut self, link: u64, ctx: &mut Context<Self>) {
         let status = self.channel.status();
-        if link == self.link && !self.draining && !status.connected() && !status.reconnecting() {
+        if link == self.link
+            && !self.draining
+            && !self.paused
+            && !status.connected()
+            && !status.reconnecting()
+        {
             tracing::warn!(queue = %self.queue.name, "the broker closed the consumer's channel; reconnecting");
             self.reconnect(ctx);
         }
@@ -452,11 +484,12 @@ impl ConsumerActor {
     fn watch_connection(&mut self, ctx: &mut Context<Self>) {
         self.set_connected(
             !self.draining
+                && !self.paused
                 && !self.reconnecting
                 && self.connection.status().connected()
                 && self.channel.status().connected(),
         );
-        if self.draining || self.reconnecting || self.connection.status().connected() {
+        if self.draining || self.paused || self.reconnecting || self.connection.status().connected() {
             self.down_since = None;
             return;
         }
@@ -506,7 +539,7 @@ impl ConsumerActor {
         let opening = async move { Link::reopen(&settings, &queue, types, &old).await };
         ctx.spawn(opening.into_actor(self).map(|link, actor, ctx| {
             actor.reconnecting = false;
-            if actor.draining {
+            if actor.draining || actor.paused {
                 // Shut down meanwhile: nothing more to consume.
                 actix_rt::spawn(async move {
                     let _ = link.connection.close(200, "shutdown".into()).await;
@@ -540,6 +573,39 @@ impl actix::Handler<Flush> for ConsumerActor {
     }
 }
 
+impl actix::Handler<Pause> for ConsumerActor {
+    type Result = ();
+
+    fn handle(&mut self, Pause(pause): Pause, ctx: &mut Context<Self>) {
+        if pause == self.paused || self.draining {
+            return;
+        }
+        self.paused = pause;
+        self.paused_flag.store(pause, Ordering::Relaxed);
+        let queue = self.queue.name.clone();
+        if !pause {
+            tracing::info!(%queue, "an operator resumed the queue: consuming again");
+            // A link being opened consumes once open; else a new one.
+            if !self.reconnecting {
+                self.reconnect(ctx);
+            }
+            return;
+        }
+        tracing::warn!(%queue, in_flight = self.in_flight, "an operator paused the queue: consuming stops, the messages in flight finish");
+        self.set_connected(false);
+        let (channel, tag) = (self.channel.clone(), self.tag.clone());
+        ctx.spawn(
+            async move {
+                if let Err(e) = channel.basic_cancel(tag, BasicCancelOptions::default()).await {
+                    // The channel is gone: so is the consumer.
+                    tracing::debug!(%queue, error = %e, "cancelling the paused consumer failed");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+}
+
 impl actix::Handler<Disconnect> for ConsumerActor {
     type Result = ResponseFuture<()>;
 
@@ -569,9 +635,13 @@ impl actix::Handler<Drain> for ConsumerActor {
         let (connection, channel, tag) = (self.connection.clone(), self.channel.clone(), self.tag.clone());
         let queue = self.queue.name.clone();
         let in_flight = self.in_flight;
+        // Paused: cancelled already.
+        let paused = self.paused;
         Box::pin(
             async move {
-                if let Err(e) = channel.basic_cancel(tag, BasicCancelOptions::default()).await {
+                if let Err(e) = channel.basic_cancel(tag, BasicCancelOptions::default()).await
+                    && !paused
+                {
                     tracing::warn!(%queue, error = %e, "cancelling the consumer failed");
                 }
                 tracing::info!(%queue, in_flight, "stopped consuming; waiting for messages in flight");

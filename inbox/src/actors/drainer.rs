@@ -199,7 +199,11 @@ async fn drain(
         // once: one copy must not hold up the others.
         let mut pause = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
         let mut stripped = false;
-        while let Err(e) = crate::failures::record(connections, &failure).await {
+        let failed_again = loop {
+            let e = match crate::failures::record(connections, &failure).await {
+                Ok(failed_again) => break failed_again,
+                Err(e) => e,
+            };
             if !stripped && !e.is_unavailable() {
                 stripped = true;
                 failure = failure.bare(&e);
@@ -219,13 +223,16 @@ async fn drain(
                 }
                 () = tokio::time::sleep(wait) => {}
             }
-        }
+        };
         delivery
             .acker
             .ack(BasicAckOptions::default())
             .await
             .map_err(Error::client)?;
         crate::actors::metrics::failure_ingested(&source.queue, source.kind);
+        if failed_again {
+            crate::actors::metrics::failure_failed_again(&source.queue);
+        }
         *backoff = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
     }
 }

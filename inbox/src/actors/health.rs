@@ -5,7 +5,9 @@
 //!   away never makes it fail: restarting the service would not bring them
 //!   back, and restarts during an outage make it worse.
 //! - **Ready** when every configured queue's consumer is connected, the
-//!   database answers and the runtime is not draining.
+//!   database answers and the runtime is not draining. A queue an
+//!   operator paused is not a reason: it is listed in `paused` (the
+//!   service still serves its operators, who resume it from there).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,6 +22,9 @@ pub struct Probe {
     pub ok: bool,
     /// Why not, one line each (empty when it passes).
     pub reasons: Vec<String>,
+    /// The queues an operator paused (readiness only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub paused: Vec<String>,
 }
 
 impl Probe {
@@ -27,6 +32,7 @@ impl Probe {
         Self {
             ok: reasons.is_empty(),
             reasons,
+            paused: Vec::new(),
         }
     }
 }
@@ -44,12 +50,21 @@ pub struct Health {
 /// Whether an actor still runs (its mailbox is open).
 type Running = Box<dyn Fn() -> bool + Send + Sync>;
 
+/// A consumer as health sees it.
+#[derive(Clone)]
+pub(crate) struct Consumer {
+    queue: String,
+    connected: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
+}
+
 /// What the runtime's parts report, read by [`Monitor`](crate::Monitor).
 pub(crate) struct HealthState {
     /// The queues the settings ask to consume (over a broker).
     pub(crate) queues: Vec<String>,
-    /// Each consumer's queue and whether it is connected, once consuming.
-    pub(crate) consumers: Mutex<Vec<(String, Arc<AtomicBool>)>>,
+    /// Each consumer's queue, whether it is connected, and whether an
+    /// operator paused it, once consuming.
+    pub(crate) consumers: Mutex<Vec<Consumer>>,
     /// The runtime's actors, by name.
     pub(crate) actors: Mutex<Vec<(String, Running)>>,
     pub(crate) database: Arc<DatabaseGate>,
@@ -77,9 +92,13 @@ impl HealthState {
         }
     }
 
-    pub(crate) fn watch_consumer(&self, queue: &str, connected: Arc<AtomicBool>) {
+    pub(crate) fn watch_consumer(&self, queue: &str, connected: Arc<AtomicBool>, paused: Arc<AtomicBool>) {
         if let Ok(mut consumers) = self.consumers.lock() {
-            consumers.push((queue.to_owned(), connected));
+            consumers.push(Consumer {
+                queue: queue.to_owned(),
+                connected,
+                paused,
+            });
         }
     }
 
@@ -111,10 +130,12 @@ impl HealthState {
             reasons.push("draining: the runtime is shutting down".to_owned());
         }
         let consumers = state.consumers.lock().map(|c| c.clone()).unwrap_or_default();
+        let mut paused = Vec::new();
         for queue in &state.queues {
-            match consumers.iter().find(|(name, _)| name == queue) {
+            match consumers.iter().find(|consumer| &consumer.queue == queue) {
                 None => reasons.push(format!("queue {queue} is not consumed yet")),
-                Some((_, connected)) if !connected.load(Ordering::Relaxed) => reasons.push(format!(
+                Some(consumer) if consumer.paused.load(Ordering::Relaxed) => paused.push(queue.clone()),
+                Some(consumer) if !consumer.connected.load(Ordering::Relaxed) => reasons.push(format!(
                     "the consumer of queue {queue} is not connected to the broker"
                 )),
                 Some(_) => {}
@@ -123,6 +144,9 @@ impl HealthState {
         if !state.database.is_available().await {
             reasons.push("the database is unavailable".to_owned());
         }
-        Probe::of(reasons)
+        Probe {
+            paused,
+            ..Probe::of(reasons)
+        }
     }
 }

@@ -41,6 +41,20 @@ pub const DATABASE_CONNECTION_LIMIT: &str = "inbox_database_connection_limit";
 /// Copies set aside that the failures drainer wrote into `inbox_failures`,
 /// by `queue` and `kind` (error, skipped).
 pub const FAILURES_INGESTED_TOTAL: &str = "inbox_failures_ingested_total";
+/// Redriven messages that came back to their failure row, failed again,
+/// by `queue`.
+pub const FAILURES_FAILED_AGAIN_TOTAL: &str = "inbox_failures_failed_again_total";
+/// Failures a redrive staged through the outbox, by `queue`.
+pub const FAILURES_REDRIVEN_TOTAL: &str = "inbox_failures_redriven_total";
+/// Open failures, by `queue` and `kind` (error, skipped, dead_outbox),
+/// sampled by the operator actor.
+pub const FAILURES_OPEN: &str = "inbox_failures_open";
+/// How long ago the oldest open failure last failed.
+pub const FAILURES_OLDEST_OPEN: &str = "inbox_failures_oldest_open_seconds";
+/// Operator actions, by `action` and `outcome` (done, refused, forbidden).
+pub const OPERATOR_ACTIONS_TOTAL: &str = "inbox_operator_actions_total";
+/// Redrive jobs running (not paused, not finished).
+pub const OPERATOR_JOBS_RUNNING: &str = "inbox_operator_jobs_running";
 /// Outbox rows waiting to be dispatched.
 pub const OUTBOX_PENDING: &str = "inbox_outbox_pending";
 /// How long the oldest of them has waited.
@@ -96,6 +110,28 @@ pub(crate) fn describe() {
         FAILURES_INGESTED_TOTAL,
         "Copies set aside that the failures drainer wrote into inbox_failures, by queue and kind."
     );
+    describe_counter!(
+        FAILURES_FAILED_AGAIN_TOTAL,
+        "Redriven messages set aside again, by queue."
+    );
+    describe_counter!(
+        FAILURES_REDRIVEN_TOTAL,
+        "Failures a redrive staged through the outbox, by queue."
+    );
+    describe_gauge!(
+        FAILURES_OPEN,
+        "Open failures in inbox_failures, by queue and kind (error, skipped, dead_outbox)."
+    );
+    describe_gauge!(
+        FAILURES_OLDEST_OPEN,
+        Unit::Seconds,
+        "How long ago the oldest open failure last failed."
+    );
+    describe_counter!(
+        OPERATOR_ACTIONS_TOTAL,
+        "Operator actions, by action and outcome (done, refused, forbidden)."
+    );
+    describe_gauge!(OPERATOR_JOBS_RUNNING, "Redrive jobs running.");
     describe_gauge!(
         OUTBOX_PENDING,
         "Outbox rows waiting to be dispatched, sampled every outbox.poll_interval."
@@ -198,6 +234,28 @@ pub(crate) fn database_connection_limit(limit: usize) {
 
 pub(crate) fn failure_ingested(queue: &str, kind: crate::failures::Kind) {
     counter!(FAILURES_INGESTED_TOTAL, "queue" => queue.to_owned(), "kind" => kind.as_str()).increment(1);
+}
+
+pub(crate) fn failure_failed_again(queue: &str) {
+    counter!(FAILURES_FAILED_AGAIN_TOTAL, "queue" => queue.to_owned()).increment(1);
+}
+
+pub(crate) fn failure_redriven(queue: &str) {
+    counter!(FAILURES_REDRIVEN_TOTAL, "queue" => queue.to_owned()).increment(1);
+}
+
+pub(crate) fn operator_action(action: &str, outcome: &'static str) {
+    counter!(OPERATOR_ACTIONS_TOTAL, "action" => action.to_owned(), "outcome" => outcome).increment(1);
+}
+
+/// The operator plane's sample: open failures by queue and kind, the age
+/// of the oldest, and the jobs running.
+pub(crate) fn failures_sampled(open: &[(String, String, i64)], oldest_open: Option<f64>, jobs_running: i64) {
+    for (queue, kind, count) in open {
+        gauge!(FAILURES_OPEN, "queue" => queue.clone(), "kind" => kind.clone()).set(*count as f64);
+    }
+    gauge!(FAILURES_OLDEST_OPEN).set(oldest_open.unwrap_or(0.0));
+    gauge!(OPERATOR_JOBS_RUNNING).set(jobs_running as f64);
 }
 
 pub(crate) fn outbox_dispatched(rows: usize) {

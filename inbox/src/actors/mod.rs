@@ -49,6 +49,7 @@ mod health;
 mod link;
 pub mod metrics;
 mod monitor;
+mod operator;
 mod outbox;
 mod publisher;
 mod retention;

@@ -32,16 +32,24 @@ pub(crate) struct StopSweeping;
 pub struct RetentionActor {
     connections: Connections,
     settings: RetentionSettings,
+    /// `failures.drain`: failures nobody resolved stay.
+    keep_unresolved: bool,
     stats: Arc<Stats>,
     sweeping: bool,
 }
 
 impl RetentionActor {
     /// An actor sweeping the database of `connections`.
-    pub(crate) fn new(connections: Connections, settings: RetentionSettings, stats: Arc<Stats>) -> Self {
+    pub(crate) fn new(
+        connections: Connections,
+        settings: RetentionSettings,
+        keep_unresolved: bool,
+        stats: Arc<Stats>,
+    ) -> Self {
         Self {
             connections,
             settings,
+            keep_unresolved,
             stats,
             sweeping: false,
         }
@@ -50,8 +58,12 @@ impl RetentionActor {
     /// One sweep, logged and counted.
     fn sweep(&mut self) -> impl ActorFuture<Self, Output = crate::Result<SweepReport>> + 'static {
         self.sweeping = true;
-        let (connections, settings) = (self.connections.clone(), self.settings.clone());
-        async move { crate::retention::sweep(&connections, &settings).await }
+        let (connections, settings, keep) = (
+            self.connections.clone(),
+            self.settings.clone(),
+            self.keep_unresolved,
+        );
+        async move { crate::retention::sweep(&connections, &settings, keep).await }
             .into_actor(self)
             .map(|result, actor, _| {
                 actor.sweeping = false;

@@ -14,13 +14,14 @@ use tokio::sync::Notify;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::actors::availability::DatabaseGate;
-use crate::actors::consumer::{ConsumerActor, Disconnect, Drain};
+use crate::actors::consumer::{ConsumerActor, ConsumerFlags, Disconnect, Drain};
 use crate::actors::dedup::{DedupActor, Routes};
 use crate::actors::drainer::{FailureDrainer, StopDraining};
 use crate::actors::handler::{Decodes, HandledTypes, HandlerRoute, HandlerSource, Route};
 use crate::actors::health::{Health, HealthState};
 use crate::actors::link::Link;
 use crate::actors::monitor::Monitor;
+use crate::actors::operator::{OperatorActor, StopOperating};
 use crate::actors::outbox::{OutboxActor, StopDispatching};
 use crate::actors::publisher::Publisher;
 use crate::actors::retention::{RetentionActor, StopSweeping};
@@ -188,6 +189,7 @@ impl RuntimeBuilder {
             RetentionActor::new(
                 connections.clone(),
                 settings.retention.clone(),
+                settings.failures.drain,
                 Arc::clone(&stats),
             )
             .start()
@@ -196,6 +198,11 @@ impl RuntimeBuilder {
             health.watch_actor("retention actor", running(retention));
         }
 
+        let operations = crate::ops::Operations::in_runtime(
+            connections.pool().clone(),
+            &settings,
+            Arc::clone(&outbox.wake),
+        );
         let runtime = Runtime {
             stopped: false,
             publisher: Publisher::in_process(
@@ -215,6 +222,8 @@ impl RuntimeBuilder {
             dispatcher: None,
             consumers: Vec::new(),
             drainer: None,
+            operations,
+            operator: None,
             retention,
             stats,
             database,
@@ -413,6 +422,11 @@ pub struct Runtime {
     /// Moves what the queues set aside into `inbox_failures`, with
     /// `failures.drain`.
     drainer: Option<Addr<FailureDrainer>>,
+    /// The operator plane's actions, shared with its actor: a request
+    /// through any clone wakes it.
+    operations: crate::ops::Operations,
+    /// Runs redrive jobs and operators' pauses, with `failures.drain`.
+    operator: Option<Addr<OperatorActor>>,
     publisher: Publisher,
     stats: Arc<Stats>,
     /// Waits out database outages; shared by the consumers.
@@ -512,6 +526,7 @@ impl Runtime {
         for queue in &self.settings.queues {
             let link = Link::open(&self.settings, queue, self.handled.only(&queue.event_types)).await?;
             let connected = Arc::new(AtomicBool::new(false));
+            let paused = Arc::new(AtomicBool::new(false));
             let actor = ConsumerActor::new(
                 &self.settings,
                 queue,
@@ -519,10 +534,13 @@ impl Runtime {
                 self.dedup.clone(),
                 Arc::clone(&self.stats),
                 Arc::clone(&self.database),
-                Arc::clone(&connected),
+                ConsumerFlags {
+                    connected: Arc::clone(&connected),
+                    paused: Arc::clone(&paused),
+                },
             )
             .start();
-            self.health.watch_consumer(&queue.name, connected);
+            self.health.watch_consumer(&queue.name, connected, paused);
             self.health
                 .watch_actor(format!("consumer of {}", queue.name), running(&actor));
             self.consumers.push(actor);
@@ -534,6 +552,17 @@ impl Runtime {
             let drainer = Supervisor::start(move |_| FailureDrainer::new(settings, connections));
             self.health.watch_actor("failures drainer", running(&drainer));
             self.drainer = Some(drainer);
+            let operations = self.operations.clone();
+            let consumers: HashMap<String, Addr<ConsumerActor>> = self
+                .settings
+                .queues
+                .iter()
+                .map(|q| q.name.clone())
+                .zip(self.consumers.iter().cloned())
+                .collect();
+            let operator = Supervisor::start(move |_| OperatorActor::new(operations, consumers));
+            self.health.watch_actor("operator actor", running(&operator));
+            self.operator = Some(operator);
         }
         Ok(())
     }
@@ -584,6 +613,14 @@ impl Runtime {
         self.connections.pool()
     }
 
+    /// The operator plane's actions on this service's database
+    /// ([`crate::ops`]): what its HTTP scope serves. Redrive jobs and
+    /// queue pauses are carried out by the instances that run with
+    /// `failures.drain`.
+    pub fn operations(&self) -> crate::ops::Operations {
+        self.operations.clone()
+    }
+
     /// The dedup actor, for this repository's tests (`internal::dedup_of`).
     pub(crate) fn dedup(&self) -> &Addr<DedupActor> {
         &self.dedup
@@ -624,6 +661,7 @@ impl Runtime {
         let consumers = self.consumers.clone();
         let retention = self.retention.clone();
         let drainer = self.drainer.clone();
+        let operator = self.operator.clone();
         let dispatcher = self.dispatcher.clone();
         let publisher = self.publisher.clone();
         let connections = self.connections.clone();
@@ -648,6 +686,9 @@ impl Runtime {
                 }
                 if let Some(drainer) = &drainer {
                     let _ = drainer.send(StopDraining).await;
+                }
+                if let Some(operator) = &operator {
+                    let _ = operator.send(StopOperating).await;
                 }
                 if let Some(dispatcher) = &dispatcher {
                     let _ = dispatcher.send(StopDispatching).await;

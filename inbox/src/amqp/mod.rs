@@ -264,6 +264,87 @@ pub(crate) fn message_properties(message_id: Uuid, message_type: &str) -> BasicP
         .with_delivery_mode(crate::fault::PERSISTENT)
 }
 
+/// The properties of a message as [`restored_json`] kept them, under
+/// `message_id`: what a redrive publishes. Persistent whatever it was.
+pub(crate) fn restored_properties(message_id: Uuid, json: &serde_json::Value) -> BasicProperties {
+    let text = |key: &str| json.get(key).and_then(serde_json::Value::as_str);
+    let mut properties = BasicProperties::default()
+        .with_message_id(message_id.to_string().into())
+        .with_delivery_mode(crate::fault::PERSISTENT);
+    if let Some(value) = text("content_type") {
+        properties = properties.with_content_type(value.into());
+    }
+    if let Some(value) = text("content_encoding") {
+        properties = properties.with_content_encoding(value.into());
+    }
+    if let Some(value) = text("correlation_id") {
+        properties = properties.with_correlation_id(value.into());
+    }
+    if let Some(value) = text("reply_to") {
+        properties = properties.with_reply_to(value.into());
+    }
+    if let Some(value) = text("type") {
+        properties = properties.with_type(value.into());
+    }
+    if let Some(value) = text("app_id") {
+        properties = properties.with_app_id(value.into());
+    }
+    if let Some(value) = json.get("priority").and_then(serde_json::Value::as_u64) {
+        properties = properties.with_priority(u8::try_from(value).unwrap_or(u8::MAX));
+    }
+    if let Some(value) = json.get("timestamp").and_then(serde_json::Value::as_u64) {
+        properties = properties.with_timestamp(value);
+    }
+    if let Some(serde_json::Value::Object(headers)) = json.get("headers") {
+        let mut table = FieldTable::default();
+        for (key, value) in headers {
+            table.insert(key.as_str().into(), json_amqp(value));
+        }
+        properties = properties.with_headers(table);
+    }
+    properties
+}
+
+/// What [`restored_properties`] reads: the properties of a message (as the
+/// failures table keeps them: no TTL, no `user_id`, which the broker kept
+/// when it dead-lettered and which would expire or refuse the copy) with
+/// `headers`.
+pub(crate) fn restored_json(
+    properties: &serde_json::Value,
+    headers: serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Value {
+    let mut json = match properties {
+        serde_json::Value::Object(map) => map.clone(),
+        _ => serde_json::Map::new(),
+    };
+    json.remove("message_id");
+    json.insert("headers".into(), serde_json::Value::Object(headers));
+    serde_json::Value::Object(json)
+}
+
+/// A JSON value as AMQP: [`amqp_json`]'s way back, as near as JSON keeps
+/// it (a timestamp comes back a number, bytes as text).
+pub(crate) fn json_amqp(value: &serde_json::Value) -> AMQPValue {
+    use serde_json::Value;
+    match value {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(n) => AMQPValue::LongLongInt(n),
+            None => AMQPValue::Double(n.as_f64().unwrap_or_default()),
+        },
+        Value::String(s) => AMQPValue::LongString(s.as_str().into()),
+        Value::Array(items) => AMQPValue::FieldArray(items.iter().map(json_amqp).collect::<Vec<_>>().into()),
+        Value::Object(map) => {
+            let mut table = FieldTable::default();
+            for (key, value) in map {
+                table.insert(key.as_str().into(), json_amqp(value));
+            }
+            AMQPValue::FieldTable(table)
+        }
+    }
+}
+
 /// AMQP headers as a JSON object.
 pub(crate) fn table_json(table: &FieldTable) -> serde_json::Value {
     serde_json::Value::Object(

@@ -323,7 +323,7 @@ impl Round {
                        FOR UPDATE SKIP LOCKED) due
                  WHERE o.seq = due.seq
                  RETURNING o.seq, o.message_id, o.exchange, o.routing_key, o.message_type,
-                           o.headers::text AS headers, o.body, o.attempts",
+                           o.headers::text AS headers, o.body, o.attempts, o.properties",
             )
             .await
             .map_err(Error::client)?;
@@ -358,6 +358,7 @@ impl Round {
                 message_type: row.try_get("message_type").map_err(Error::client)?,
                 headers: headers(row.try_get("headers").map_err(Error::client)?, message_id),
                 body: row.try_get("body").map_err(Error::client)?,
+                properties: row.try_get("properties").map_err(Error::client)?,
             });
         }
         let round = Self {
@@ -514,6 +515,20 @@ impl Round {
                 )
                 .await
                 .map_err(Error::client)?;
+            if dead {
+                // In the failures table too, in the same transaction: the
+                // operator sees it beside the messages the queues set aside,
+                // and redrives it from there.
+                let fingerprint =
+                    crate::failures::fingerprint(Some(&outgoing.message_type), Some("outbox"), Some(&reason));
+                uow.client()
+                    .execute(
+                        crate::failures::RECORD_DEAD_OUTBOX_ROW,
+                        &[&seq, &Uuid::now_v7(), &fingerprint],
+                    )
+                    .await
+                    .map_err(Error::client)?;
+            }
         }
         if !unsent.is_empty() {
             uow.client()

@@ -25,6 +25,11 @@ pub struct Outgoing {
     pub headers: Vec<(String, String)>,
     /// The event as JSON.
     pub body: Vec<u8>,
+    /// AMQP properties to publish it with as they are, headers included
+    /// (JSON: `content_type`, `correlation_id`, `type`... and `headers`):
+    /// a failure redriven as it was set aside. `None` for what a handler
+    /// stages: the wire's properties, with `headers`.
+    pub properties: Option<serde_json::Value>,
 }
 
 impl Outgoing {
@@ -41,6 +46,9 @@ impl Outgoing {
     /// a message that passed [`check`](Self::check): a name past 255 bytes
     /// panics in the client.
     pub fn properties(&self) -> BasicProperties {
+        if let Some(restored) = &self.properties {
+            return crate::amqp::restored_properties(self.message_id, restored);
+        }
         crate::amqp::message_properties(self.message_id, &self.message_type).with_headers(self.amqp_headers())
     }
 
@@ -49,6 +57,9 @@ impl Outgoing {
     /// its id as `message_id`, the envelope's content type, persistent, its
     /// headers; no `type`.
     pub fn masstransit_properties(&self) -> BasicProperties {
+        if let Some(restored) = &self.properties {
+            return crate::amqp::restored_properties(self.message_id, restored);
+        }
         crate::masstransit::properties(self.message_id).with_headers(self.amqp_headers())
     }
 
@@ -236,6 +247,7 @@ mod tests {
             message_type: "T".into(),
             headers: vec![("correlation_id".into(), "c".into())],
             body: vec![b'x'; body_bytes],
+            properties: None,
         }
     }
 

@@ -53,8 +53,9 @@ pub struct Settings {
     pub failures: FailuresSettings,
 }
 
-/// `[failures]`: where failed messages are kept.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// `[failures]`: where failed messages are kept, and the operator plane
+/// that works on them (`inbox::ops`).
+#[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct FailuresSettings {
@@ -66,7 +67,30 @@ pub struct FailuresSettings {
     /// stay in the broker for the tools that read those queues (a monitor
     /// bound to the error exchange still gets every copy either way: the
     /// drainer consumes the queue, not the exchange). Default `false`.
+    ///
+    /// On, the runtime also runs the operator plane's work on every
+    /// instance: redrive jobs, queues an operator paused; and retention
+    /// keeps every failure nobody resolved (redrove or discarded).
     pub drain: bool,
+    /// `pause_redrive_at`: a redrive job pauses itself when more than this
+    /// share of the messages it redrove failed again (and at least 10
+    /// did): the cause is likely not fixed. From 0 to 1; default 0.5.
+    pub pause_redrive_at: f64,
+    /// `token_files`: the files of the operator plane's access tokens, one
+    /// `NAME ROLE TOKEN` a line (`ROLE`: `reader`, `operator` or `admin`;
+    /// `#` starts a comment). The tokens themselves are never settings.
+    /// Read when the HTTP scope is built (`inbox::ops::http`).
+    pub token_files: Vec<std::path::PathBuf>,
+}
+
+impl Default for FailuresSettings {
+    fn default() -> Self {
+        Self {
+            drain: false,
+            pause_redrive_at: 0.5,
+            token_files: Vec::new(),
+        }
+    }
 }
 
 /// How events travel.

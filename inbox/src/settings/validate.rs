@@ -32,6 +32,9 @@ impl Settings {
         self.failure.validate()?;
         self.retention.validate()?;
         self.outbox.validate()?;
+        if !(0.0..=1.0).contains(&self.failures.pause_redrive_at) {
+            return Err(Error::setting("failures.pause_redrive_at", "must be from 0 to 1"));
+        }
         check_timer(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         // Across sections: a late redelivery must still find its row.
         let path = self.failure.longest_redelivery_path();

@@ -10,6 +10,12 @@ mod dedup;
 mod failures;
 // The failures table: what the queues set aside, drained into one row per message.
 mod failures_table;
+// The operator plane: its API by role, redrives applied once, jobs' rates, queues paused.
+mod operator_plane;
+// The operator page in headless Chromium, against the example service.
+mod browser;
+// A redrive while two instances of the example service compete for it and are killed.
+mod redrive_kills;
 // Malformed deliveries go to the error queue, unknown types to the skipped queue, never looped.
 mod bad_input;
 // Immediate retries, retry tiers, the error queue and its headers, replay.

@@ -947,7 +947,7 @@ async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
             "DO $$ BEGIN
                  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;
              END $$;
-             GRANT SELECT, INSERT, UPDATE, DELETE ON inbox_messages, inbox_deliveries, outbox_messages TO {role};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON inbox_messages, inbox_deliveries, outbox_messages, inbox_failures TO {role};
              GRANT USAGE ON SEQUENCE outbox_messages_seq_seq TO {role};
              GRANT SELECT, INSERT, UPDATE ON counts TO {role};"
         ))

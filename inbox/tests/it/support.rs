@@ -466,6 +466,36 @@ pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> std:
         .expect("the example service starts")
 }
 
+/// Starts the example service with the operator plane (`--http ADDRESS
+/// --ops-tokens TOKENS`) on database `database` and queue `queue`, with
+/// the tests' settings (a refused message walks its retries in about a
+/// second).
+pub(crate) fn start_ops_service(
+    database: &str,
+    queue: &str,
+    address: &str,
+    tokens: &Path,
+) -> std::process::Child {
+    std::process::Command::new(checkin_service())
+        .args(["--queue", queue, "--http", address, "--ops-tokens"])
+        .arg(tokens)
+        .current_dir(crate::support::REPOSITORY)
+        .env("INBOX_ENV", "test")
+        .env("INBOX__DATABASE__URL", database_url_of(database))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the example service starts")
+}
+
+/// A free port on loopback.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
 /// Reads `child`'s log until it says it consumes (true) or it exits (false).
 pub(crate) fn consumes(child: &mut std::process::Child) -> (bool, String) {
     use std::io::BufRead;
