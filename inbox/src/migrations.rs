@@ -66,6 +66,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_operations",
         include_str!("migrations/0011_inbox_operations.sql"),
     ),
+    (
+        12,
+        "inbox_ops_job_resumed",
+        include_str!("migrations/0012_inbox_ops_job_resumed.sql"),
+    ),
 ];
 
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).

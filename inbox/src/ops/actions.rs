@@ -341,8 +341,10 @@ pub(crate) async fn control_job(
         )));
     }
     tx.execute(
-        "UPDATE inbox_ops_jobs SET status = $2, paused_reason = NULL, updated_at = now() WHERE id = $1",
-        &[&id, &to],
+        "UPDATE inbox_ops_jobs SET status = $2, paused_reason = NULL, updated_at = now(),
+                resumed_at = CASE WHEN $3 THEN now() ELSE resumed_at END
+         WHERE id = $1",
+        &[&id, &to, &(action == JobAction::Resume)],
     )
     .await?;
     let mut affected = 0;

@@ -15,7 +15,8 @@
 //! drainer opens it again). When at least [`FAILED_AGAIN_MIN`] of a job's
 //! messages did, and they are more than its `failures.pause_redrive_at`
 //! share of those redriven, the job pauses itself and says why: the cause
-//! is likely not fixed.
+//! is likely not fixed. Once an operator resumes it, only what it redrives
+//! from then on counts.
 
 use std::time::{Duration, SystemTime};
 
@@ -63,7 +64,7 @@ pub(crate) async fn advance(client: &mut tokio_postgres::Client, pause_at: f64) 
     let tx = client.transaction().await?;
     let Some(job) = tx
         .query_opt(
-            "SELECT id, rate_per_second, next_at, done FROM inbox_ops_jobs
+            "SELECT id, rate_per_second, next_at, done, coalesce(resumed_at, created_at) AS since FROM inbox_ops_jobs
              WHERE status = 'running' AND next_at <= now()
              ORDER BY next_at LIMIT 1 FOR UPDATE SKIP LOCKED",
             &[],
@@ -76,6 +77,7 @@ pub(crate) async fn advance(client: &mut tokio_postgres::Client, pause_at: f64) 
     let rate: Option<i32> = job.try_get("rate_per_second")?;
     let paced_to: SystemTime = job.try_get("next_at")?;
     let done: i32 = job.try_get("done")?;
+    let since: SystemTime = job.try_get("since")?;
     let rows = tx
         .query(
             "SELECT id, queue, kind, message_id, coalesce(message_type, '') AS message_type,
@@ -127,21 +129,24 @@ pub(crate) async fn advance(client: &mut tokio_postgres::Client, pause_at: f64) 
     let count = staged.len() as i64;
     let finished = count < slice(rate);
     let done = i64::from(done) + count;
-    let failed_again: i64 = tx
+    // Weighed over what it redrove since it started, or since an operator
+    // last resumed it over the failures that paused it.
+    let weighed = tx
         .query_one(
-            "SELECT count(*) FROM inbox_failures
-             WHERE job_id = $1 AND status = 'open' AND last_failed_at > redriven_at",
-            &[&id],
+            "SELECT count(*) FILTER (WHERE status = 'open' AND last_failed_at > redriven_at), count(*)
+             FROM inbox_failures WHERE job_id = $1 AND redriven_at >= $2",
+            &[&id, &since],
         )
-        .await?
-        .try_get(0)?;
-    let pause = !finished && failed_again >= FAILED_AGAIN_MIN && failed_again as f64 > pause_at * done as f64;
+        .await?;
+    let (failed_again, redriven): (i64, i64) = (weighed.try_get(0)?, weighed.try_get(1)?);
+    let pause =
+        !finished && failed_again >= FAILED_AGAIN_MIN && failed_again as f64 > pause_at * redriven as f64;
     let (status, paused_reason) = match (finished, pause) {
         (true, _) => ("done", None),
         (false, true) => (
             "paused",
             Some(format!(
-                "paused itself: {failed_again} of the {done} messages it redrove failed again (more than {:.0}%); \
+                "paused itself: {failed_again} of the {redriven} messages it redrove failed again (more than {:.0}%); \
                  fix the cause, then resume it",
                 pause_at * 100.0
             )),

@@ -792,3 +792,67 @@ async fn a_redriven_copy_has_its_id_properties_and_headers_and_none_of_its_failu
     .await;
     runtime.shutdown().await;
 }
+
+#[actix_rt::test]
+async fn a_redrive_whose_messages_fail_again_pauses_itself_and_says_why() {
+    let env = TestEnv::new("ops_self_pause").await;
+    let handler = RefuseUntilFixed::default();
+    let (runtime, _) = with_failures(&env, 100..130, &handler).await;
+    // Not fixed: every redriven message fails again.
+    let ops = runtime.operations();
+    let otto = Operator::new("otto", Role::Operator);
+    let job = ops
+        .redrive(
+            &otto,
+            &Selection::Filter(Filter::default()),
+            Some(10),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    wait_until("the job pauses itself", || async {
+        ops.job(job.id).await.is_ok_and(|job| job.status == "paused")
+    })
+    .await;
+    let paused = ops.job(job.id).await.unwrap();
+    assert!(
+        paused.done < 30,
+        "it stopped before the end ({} of 30)",
+        paused.done
+    );
+    assert!(paused.failed_again >= 10, "{paused:?}");
+    let why = paused.paused_reason.unwrap();
+    assert!(why.contains("failed again"), "{why}");
+    // What it did not redrive stays with it, held from any other redrive.
+    let held = env
+        .scalar("SELECT count(*) FROM inbox_failures WHERE status = 'redriving'")
+        .await;
+    assert_eq!(held, i64::from(30 - paused.done));
+    let other = ops
+        .redrive(&otto, &Selection::Filter(Filter::default()), None, None, true)
+        .await
+        .unwrap();
+    assert!(
+        i64::from(other.total) <= 30 - held,
+        "another redrive would take none of the {held} it holds ({} counted)",
+        other.total
+    );
+
+    // Fixed; resumed: the rest go, and are applied.
+    handler.fixed.store(true, Ordering::SeqCst);
+    let resumed = ops.resume_job(&otto, job.id).await.unwrap();
+    assert_eq!(
+        (resumed.status.as_str(), resumed.paused_reason),
+        ("running", None)
+    );
+    wait_until("the job is done", || async {
+        ops.job(job.id).await.is_ok_and(|job| job.status == "done")
+    })
+    .await;
+    wait_until("what it redrove after the fix is applied", || async {
+        env.scalar("SELECT count(*) FROM counts WHERE key >= 100").await == held
+    })
+    .await;
+    runtime.shutdown().await;
+}
