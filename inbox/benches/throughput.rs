@@ -100,7 +100,7 @@
 //! the neighbours than the code. Latency is from a delivery's arrival to its
 //! ack; every scenario reports its quantiles as the runtime's stats do, as
 //! the upper bound of a histogram bucket a quarter of an octave wide
-//! ([`inbox::internal::latency_bound`]), so that the loops timed here and the
+//! ([`rabbit_inbox::internal::latency_bound`]), so that the loops timed here and the
 //! runtime are read on one scale.
 //! Honours `DATABASE_URL` and `AMQP_URL`; works in database `inbox_throughput`,
 //! which it drops and creates.
@@ -117,15 +117,15 @@ use std::time::{Duration, Instant};
 use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
 use common::{BoxError as Error, Result};
 use futures_util::StreamExt;
-use inbox::Runtime;
-use inbox::tools;
-use inbox::tools::deadpool_postgres::Pool;
-use inbox::tools::lapin::options::{
+use rabbit_inbox::Runtime;
+use rabbit_inbox::tools;
+use rabbit_inbox::tools::deadpool_postgres::Pool;
+use rabbit_inbox::tools::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
-use inbox::tools::lapin::types::FieldTable;
-use inbox::tools::lapin::{BasicProperties, Channel, Connection, Consumer};
-use inbox::{IntegrationEvent, Message, QueueSettings, Settings, Wire};
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::tools::lapin::{BasicProperties, Channel, Connection, Consumer};
+use rabbit_inbox::{IntegrationEvent, Message, QueueSettings, Settings, Wire};
 use tokio::sync::Mutex;
 
 const DATABASE: &str = "inbox_throughput";
@@ -291,9 +291,9 @@ async fn run() -> Result<()> {
     // One connection per message in flight, and a spare.
     settings.database.pool_size = usize::from(prefetch) + 1;
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::tools::create_pool(&settings)?;
+    let pool = rabbit_inbox::tools::create_pool(&settings)?;
     common::create_tables(&pool).await?;
-    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
+    rabbit_inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     // `handwritten_forward`'s outbox: the runtime's table without its
     // NOTIFY trigger, as one would write it by hand.
     pool.get()
@@ -783,7 +783,7 @@ fn properties_of(message: &Message<AttendeeCheckedIn>) -> BasicProperties {
 /// `messageType` URN), persistent, to the type's fanout exchange, with
 /// confirms awaited a thousand at a time.
 async fn prefill_masstransit(connection: &Connection, workload: &Workload) -> Result<()> {
-    use inbox::internal::masstransit::{ENVELOPE_CONTENT_TYPE, message_urn};
+    use rabbit_inbox::internal::masstransit::{ENVELOPE_CONTENT_TYPE, message_urn};
     let exchange = common::masstransit::AttendeeCheckedIn::TYPE;
     let urn = message_urn(exchange);
     let channel = connection.create_channel().await?;
@@ -845,7 +845,9 @@ impl Latencies {
         // flatter the hand-written loop by up to a quarter.
         let at = |q: f64| {
             let rank = ((all.len() as f64 * q).ceil() as usize).clamp(1, all.len().max(1));
-            all.get(rank - 1).copied().map(inbox::internal::latency_bound)
+            all.get(rank - 1)
+                .copied()
+                .map(rabbit_inbox::internal::latency_bound)
         };
         (at(0.5).unwrap_or_default(), at(0.99).unwrap_or_default())
     }
@@ -968,7 +970,7 @@ struct ForwardByHand {
 async fn process_by_hand(
     pool: &Pool,
     consumer: &str,
-    delivery: &inbox::tools::lapin::message::Delivery,
+    delivery: &rabbit_inbox::tools::lapin::message::Delivery,
     forward: Option<&ForwardByHand>,
 ) -> Result<()> {
     let id = delivery
@@ -1126,9 +1128,9 @@ async fn light_load(rate: u32, seconds: u32, repeat: usize) -> Result<LightLoad>
     settings.database.run_migrations = false;
     settings.message_bus.enable_inbox = Some(true);
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::tools::create_pool(&settings)?;
+    let pool = rabbit_inbox::tools::create_pool(&settings)?;
     common::create_tables(&pool).await?;
-    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
+    rabbit_inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     let connection = tools::connect(&settings, "inbox throughput light load").await?;
     let count = (rate * seconds) as usize;
     let default_batch = QueueSettings::new("default").batch_size;
@@ -1297,7 +1299,7 @@ impl Forwarded {
         channel
             .queue_declare(
                 queue.as_str().into(),
-                inbox::tools::lapin::options::QueueDeclareOptions::default(),
+                rabbit_inbox::tools::lapin::options::QueueDeclareOptions::default(),
                 FieldTable::default(),
             )
             .await?;
@@ -1424,8 +1426,8 @@ async fn outbox(rows: usize) -> Result<()> {
     settings.database.set_dbname(DATABASE)?;
     settings.queues.clear();
     common::recreate_database(&settings, DATABASE).await?;
-    let pool = inbox::tools::create_pool(&settings)?;
-    inbox::internal::run_migrations(&mut *pool.get().await?).await?;
+    let pool = rabbit_inbox::tools::create_pool(&settings)?;
+    rabbit_inbox::internal::run_migrations(&mut *pool.get().await?).await?;
     let connection = tools::connect(&settings, "inbox throughput outbox").await?;
     let channel = connection.create_channel().await?;
     let target = format!("throughput.outbox.{}", uuid::Uuid::now_v7());
@@ -1440,13 +1442,13 @@ async fn outbox(rows: usize) -> Result<()> {
     .map_err(|e| Error::from(e.to_string()))?;
 
     // Raw confirmed publishing of the same messages.
-    let publisher = inbox::tools::AmqpPublisher::new(&connection, "").await?;
+    let publisher = rabbit_inbox::tools::AmqpPublisher::new(&connection, "").await?;
     let (publisher, target_name) = (&publisher, target.as_str());
     let started = Instant::now();
     for chunk in 0..rows.div_ceil(batch) {
         // The very messages the outbox sends: persistent, typed, JSON.
         let sends = (0..batch.min(rows - chunk * batch)).map(|_| {
-            let outgoing = inbox::internal::Outgoing {
+            let outgoing = rabbit_inbox::internal::Outgoing {
                 message_id: uuid::Uuid::now_v7(),
                 exchange: String::new(),
                 routing_key: target_name.to_owned(),

@@ -75,10 +75,10 @@ use std::time::Duration;
 
 use actix_web::{App, HttpResponse, HttpServer, web};
 use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
-use inbox::{
+use metrics_exporter_prometheus::PrometheusHandle;
+use rabbit_inbox::{
     EventHandler, HandlerError, IntegrationEvent, Monitor, Probe, Runtime, RuntimeBuilder, UnitOfWork, Wire,
 };
-use metrics_exporter_prometheus::PrometheusHandle;
 use tracing_subscriber::EnvFilter;
 
 #[actix::main]
@@ -118,7 +118,7 @@ async fn run() -> common::Result<()> {
                 settings.failures.drain = true;
                 settings.failures.token_files = vec![file.into()];
             })?;
-            Some(inbox::ops::access::Access::from_settings(&settings)?)
+            Some(rabbit_inbox::ops::access::Access::from_settings(&settings)?)
         }
     };
     if let Some(name) = common::own_database(&settings) {
@@ -142,7 +142,7 @@ async fn run() -> common::Result<()> {
         declare_forward_queue(&settings, queue, recorded).await?;
     }
     // Listening before consuming starts: a SIGTERM from then on drains.
-    let signal = inbox::shutdown_signal()?;
+    let signal = rabbit_inbox::shutdown_signal()?;
     let builder = Runtime::builder(settings).migrations(common::SCHEMA);
     let runtime = match wire {
         Wire::Inbox => with_handlers::<AttendeeCheckedIn>(builder, forward_to.as_deref()),
@@ -195,7 +195,7 @@ async fn serve(
     signal: impl Future<Output = ()> + 'static,
     address: &str,
     metrics: PrometheusHandle,
-    access: Option<inbox::ops::access::Access>,
+    access: Option<rabbit_inbox::ops::access::Access>,
 ) -> common::Result<()> {
     let endpoints = Endpoints {
         health: runtime.monitor(),
@@ -210,7 +210,7 @@ async fn serve(
             .route("/health/ready", web::get().to(ready))
             .route("/metrics", web::get().to(render_metrics));
         match &access {
-            Some(access) => app.service(inbox::ops::http::scope(
+            Some(access) => app.service(rabbit_inbox::ops::http::scope(
                 "/ops",
                 operations.clone(),
                 access.clone(),
@@ -312,8 +312,8 @@ impl<E: CheckIn> EventHandler<E> for AbortOn {
 }
 
 /// Drops the service's database and deletes its queues (`--remove`).
-async fn remove(settings: &inbox::Settings) -> common::Result<()> {
-    let connection = inbox::tools::connect(settings, "checkin_service --remove").await?;
+async fn remove(settings: &rabbit_inbox::Settings) -> common::Result<()> {
+    let connection = rabbit_inbox::tools::connect(settings, "checkin_service --remove").await?;
     let channel = connection.create_channel().await?;
     let wire = settings.message_bus.wire;
     for queue in &settings.queues {
@@ -345,19 +345,19 @@ async fn remove(settings: &inbox::Settings) -> common::Result<()> {
 /// their type `recorded`, as a MassTransit consumer's endpoint of it
 /// declares it (so that one can start on it).
 async fn declare_forward_queue(
-    settings: &inbox::Settings,
+    settings: &rabbit_inbox::Settings,
     queue: &str,
     recorded: Option<&str>,
 ) -> common::Result<()> {
-    let connection = inbox::tools::connect(settings, "checkin_service --forward-to").await?;
+    let connection = rabbit_inbox::tools::connect(settings, "checkin_service --forward-to").await?;
     let channel = connection.create_channel().await?;
     let wire = match recorded {
-        Some(_) => inbox::Wire::Masstransit,
-        None => inbox::Wire::Inbox,
+        Some(_) => rabbit_inbox::Wire::Masstransit,
+        None => rabbit_inbox::Wire::Inbox,
     };
-    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::default_on(wire)).await?;
+    rabbit_inbox::tools::declare_queue(&channel, queue, rabbit_inbox::QueueKind::default_on(wire)).await?;
     if let Some(exchange) = recorded {
-        inbox::tools::bind_to_fanout(&channel, queue, exchange).await?;
+        rabbit_inbox::tools::bind_to_fanout(&channel, queue, exchange).await?;
     }
     connection.close(200, "declared".into()).await?;
     Ok(())

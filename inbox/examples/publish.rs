@@ -14,8 +14,8 @@ mod common;
 use std::collections::HashSet;
 
 use common::{AttendeeCheckedIn, XorShift};
-use inbox::Message;
-use inbox::tools::{self, AmqpPublisher};
+use rabbit_inbox::Message;
+use rabbit_inbox::tools::{self, AmqpPublisher};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {

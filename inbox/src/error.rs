@@ -16,7 +16,7 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// with this reason in `x-inbox-reason`.
 ///
 /// ```
-/// # use inbox::{HandlerError, Permanent};
+/// # use rabbit_inbox::{HandlerError, Permanent};
 /// fn check(amount: i64) -> Result<(), HandlerError> {
 ///     if amount < 0 {
 ///         return Err(Permanent::new(format!("amount {amount} is negative")).into());
@@ -56,10 +56,10 @@ impl Permanent {
 }
 
 /// `Result` with this crate's [`Error`]. No second parameter, so that
-/// `inbox::Result::Ok(())` infers.
+/// `rabbit_inbox::Result::Ok(())` infers.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Everything that can go wrong in `inbox`, outside a handler's own code:
+/// Everything that can go wrong in `rabbit-inbox`, outside a handler's own code:
 /// a [kind](Error::kind), a message that names what failed (the setting,
 /// the message, the queue, where it tried to connect), and the cause as
 /// its [`source`](std::error::Error::source). Opaque, as tokio-postgres's

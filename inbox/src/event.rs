@@ -12,7 +12,7 @@ use uuid::Uuid;
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct AttendeeCheckedIn { attendee_id: i64, session_id: i64 }
 ///
-/// impl inbox::IntegrationEvent for AttendeeCheckedIn {
+/// impl rabbit_inbox::IntegrationEvent for AttendeeCheckedIn {
 ///     const TYPE: &'static str = "AttendeeCheckedIn";
 /// }
 /// ```
@@ -33,7 +33,7 @@ pub trait IntegrationEvent: Serialize + DeserializeOwned + Send + Sync + 'static
     /// #[derive(serde::Serialize, serde::Deserialize)]
     /// struct AttendeeCheckedIn { attendee_id: i64 }
     ///
-    /// impl inbox::IntegrationEvent for AttendeeCheckedIn {
+    /// impl rabbit_inbox::IntegrationEvent for AttendeeCheckedIn {
     ///     const TYPE: &'static str = "Conference.Contracts:AttendeeCheckedIn";
     ///     const IMPLEMENTS: &'static [&'static str] = &["Conference.Contracts:IConferenceEvent"];
     /// }

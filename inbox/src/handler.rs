@@ -20,8 +20,8 @@ use crate::unit_of_work::UnitOfWork;
 /// ```
 /// # #[derive(serde::Serialize, serde::Deserialize)]
 /// # struct AttendeeCheckedIn { attendee_id: i64, session_id: i64 }
-/// # impl inbox::IntegrationEvent for AttendeeCheckedIn { const TYPE: &'static str = "AttendeeCheckedIn"; }
-/// use inbox::{EventHandler, HandlerError, UnitOfWork};
+/// # impl rabbit_inbox::IntegrationEvent for AttendeeCheckedIn { const TYPE: &'static str = "AttendeeCheckedIn"; }
+/// use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
 ///
 /// struct CountCheckins;
 ///

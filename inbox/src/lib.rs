@@ -10,7 +10,7 @@
 //! system, and end it with a signal.
 //!
 //! ```no_run
-//! use inbox::{EventHandler, HandlerError, IntegrationEvent, Migration, Runtime, Settings, UnitOfWork};
+//! use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Migration, Runtime, Settings, UnitOfWork};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct OrderPlaced { order_id: i64 }
@@ -33,9 +33,9 @@
 //! const SCHEMA: &[Migration] = &[Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)")];
 //!
 //! #[actix::main]
-//! async fn main() -> inbox::Result<()> {
+//! async fn main() -> rabbit_inbox::Result<()> {
 //!     let settings = Settings::load()?; // config/*.toml and INBOX__SECTION__KEY, validated
-//!     let signal = inbox::shutdown_signal()?; // SIGINT or SIGTERM
+//!     let signal = rabbit_inbox::shutdown_signal()?; // SIGINT or SIGTERM
 //!     let runtime = Runtime::builder(settings).migrations(SCHEMA).handler(RecordOrder).start().await?;
 //!     runtime.run_until(signal).await; // then drains within runtime.shutdown_timeout
 //!     Ok(())

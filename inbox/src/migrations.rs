@@ -76,7 +76,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// Key of the advisory lock held while migrating ("inbox" in ASCII).
 const LOCK_KEY: i64 = 0x0069_6e62_6f78;
 
-/// One step of a service's own schema, for `inbox::RuntimeBuilder::migrations`
+/// One step of a service's own schema, for `rabbit_inbox::RuntimeBuilder::migrations`
 /// or [`migrate`]: applied once, in version order, under the same advisory
 /// lock and in the same transaction as the inbox's own migrations.
 ///
@@ -88,7 +88,7 @@ const LOCK_KEY: i64 = 0x0069_6e62_6f78;
 /// then finds the version applied.
 ///
 /// ```
-/// use inbox::Migration;
+/// use rabbit_inbox::Migration;
 ///
 /// const SCHEMA: &[Migration] = &[
 ///     Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)"),

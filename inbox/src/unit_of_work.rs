@@ -378,7 +378,7 @@ impl UnitOfWork {
     /// the runtime's, which it can neither release nor roll back to.
     ///
     /// ```no_run
-    /// # async fn handler(uow: &mut inbox::UnitOfWork) -> Result<(), inbox::HandlerError> {
+    /// # async fn handler(uow: &mut rabbit_inbox::UnitOfWork) -> Result<(), rabbit_inbox::HandlerError> {
     /// let scope = uow.nested().await?;
     /// match scope.client().execute("INSERT INTO audit VALUES (1)", &[]).await {
     ///     Ok(_) => scope.release().await?,

@@ -8,8 +8,8 @@ mod support;
 
 use std::time::Duration;
 
-use inbox::Message;
-use inbox::Runtime;
+use rabbit_inbox::Message;
+use rabbit_inbox::Runtime;
 use support::{Count, Counted, TestEnv, Valid, amqp, rabbitmqctl, rabbitmqctl_now, wait_until};
 
 /// Raises a memory alarm on the broker's node; clears it when lifted or
@@ -45,7 +45,7 @@ async fn while_the_broker_blocks_publishing_the_outbox_waits_and_sends_each_row_
     let forward = env.another_queue("forward");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::tools::declare_queue(&channel, &forward, inbox::QueueKind::Quorum)
+    rabbit_inbox::tools::declare_queue(&channel, &forward, rabbit_inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "declared".into()).await.unwrap();

@@ -79,12 +79,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{AttendeeCheckedIn, XorShift};
 use common::{BoxError as Error, Result};
-use inbox::tools;
-use inbox::tools::AmqpPublisher;
-use inbox::tools::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
-use inbox::tools::lapin::types::FieldTable;
-use inbox::tools::lapin::{BasicProperties, Connection};
-use inbox::{Message, QueueSettings, Settings, Wire};
+use rabbit_inbox::tools;
+use rabbit_inbox::tools::AmqpPublisher;
+use rabbit_inbox::tools::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::tools::lapin::{BasicProperties, Connection};
+use rabbit_inbox::{Message, QueueSettings, Settings, Wire};
 
 const DATABASE: &str = "inbox_faults";
 const EVENTS: usize = 5000;
@@ -128,9 +128,9 @@ struct Published {
     /// Every publish, duplicates included.
     count: usize,
     /// Unique well-formed events with a positive attendee id.
-    good: HashMap<inbox::uuid::Uuid, AttendeeCheckedIn>,
+    good: HashMap<rabbit_inbox::uuid::Uuid, AttendeeCheckedIn>,
     /// Events the service refuses (negative attendee id).
-    failing: HashSet<inbox::uuid::Uuid>,
+    failing: HashSet<rabbit_inbox::uuid::Uuid>,
     /// Markers of the malformed deliveries, found in their bodies.
     malformed: HashSet<String>,
 }
@@ -179,7 +179,7 @@ async fn run() -> Result<bool> {
             .map_err(|_| fail("--cluster needs CLUSTER_AMQP_URLS: run it through tests/cluster.sh run"))?;
         settings.message_bus.amqp_urls = urls.split(',').map(str::to_owned).collect();
     }
-    let queue = format!("faults.checkin.{}", inbox::uuid::Uuid::now_v7());
+    let queue = format!("faults.checkin.{}", rabbit_inbox::uuid::Uuid::now_v7());
     settings.queues = vec![QueueSettings::new(&queue)];
     settings.failure.delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     settings.database.set_dbname(DATABASE)?;
@@ -237,8 +237,10 @@ async fn run() -> Result<bool> {
     let ops = match std::env::args().any(|arg| arg == "--ops") {
         false => None,
         true => {
-            let tokens =
-                std::env::temp_dir().join(format!("fault-suite-tokens-{}", inbox::uuid::Uuid::now_v7()));
+            let tokens = std::env::temp_dir().join(format!(
+                "fault-suite-tokens-{}",
+                rabbit_inbox::uuid::Uuid::now_v7()
+            ));
             std::fs::write(&tokens, "suite operator fault-suite-token-0123456789\n")?;
             eprintln!(
                 "fault_suite: the service drains its error queue into the failures table (--ops-tokens)"
@@ -347,7 +349,7 @@ impl Suite {
         if self.ops.is_none() {
             return Ok(in_queue);
         }
-        let pool = inbox::tools::create_pool(&self.settings)?;
+        let pool = rabbit_inbox::tools::create_pool(&self.settings)?;
         let rows: i64 = pool
             .get()
             .await?
@@ -458,7 +460,7 @@ impl Suite {
         tools::declare_queue(
             &connection.create_channel().await?,
             &probe_queue,
-            inbox::QueueKind::Classic,
+            rabbit_inbox::QueueKind::Classic,
         )
         .await?;
         let _ = connection.close(200, "done".into()).await;
@@ -467,7 +469,7 @@ impl Suite {
             self.rabbitmqctl()
         ))?;
         self.say("raised a memory alarm");
-        let pool = inbox::tools::create_pool(&self.settings)?;
+        let pool = rabbit_inbox::tools::create_pool(&self.settings)?;
         pool.get()
             .await?
             .execute(
@@ -498,7 +500,11 @@ impl Suite {
 
     /// Publishes the poison message and restarts the service each time it
     /// aborts on it, until the message is in the error queue. Returns its id.
-    async fn crash_loop(&mut self, child: &mut Child, published: &Published) -> Result<inbox::uuid::Uuid> {
+    async fn crash_loop(
+        &mut self,
+        child: &mut Child,
+        published: &Published,
+    ) -> Result<rabbit_inbox::uuid::Uuid> {
         let poison = Message::new(AttendeeCheckedIn {
             attendee_id: POISON,
             session_id: 1,
@@ -804,7 +810,7 @@ fn forward_queue(queue: &str) -> String {
 
 /// Rows the service's outbox still has to publish.
 async fn pending_forwards(settings: &Settings) -> Result<i64> {
-    let pool = inbox::tools::create_pool(settings)?;
+    let pool = rabbit_inbox::tools::create_pool(settings)?;
     let count = pool
         .get()
         .await?
@@ -839,7 +845,7 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
     let channel = connection.create_channel().await?;
     let mut deliveries = 0;
     let mut ids: HashSet<String> = HashSet::new();
-    let mut by_source: HashMap<inbox::uuid::Uuid, HashSet<String>> = HashMap::new();
+    let mut by_source: HashMap<rabbit_inbox::uuid::Uuid, HashSet<String>> = HashMap::new();
     let mut leaked = 0;
     while let Some(message) = channel
         .basic_get(
@@ -882,17 +888,18 @@ async fn read_forwards(settings: &Settings, queue: &str, published: &Published) 
 /// `wire`'s format.
 fn forwarded_source(
     wire: Wire,
-    delivery: &inbox::tools::lapin::message::Delivery,
-) -> Option<inbox::uuid::Uuid> {
+    delivery: &rabbit_inbox::tools::lapin::message::Delivery,
+) -> Option<rabbit_inbox::uuid::Uuid> {
     match wire {
         Wire::Inbox => serde_json::from_slice::<common::CheckinRecorded>(&delivery.data)
             .ok()
             .map(|recorded| recorded.source_message_id),
         Wire::Masstransit => {
             let decoded =
-                inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).ok()?;
+                rabbit_inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false)
+                    .ok()?;
             let is_recorded = decoded.context.message_types.first().map(String::as_str)
-                == Some(<common::masstransit::CheckinRecorded as inbox::IntegrationEvent>::TYPE);
+                == Some(<common::masstransit::CheckinRecorded as rabbit_inbox::IntegrationEvent>::TYPE);
             let recorded: common::masstransit::CheckinRecorded =
                 serde_json::from_slice(&decoded.message).ok()?;
             is_recorded.then_some(recorded.source_message_id)
@@ -940,7 +947,7 @@ async fn ready(settings: &Settings, queue: &str) -> Result<u32> {
 }
 
 /// `queue` as the broker sees it (a passive declare).
-async fn probe(settings: &Settings, queue: &str) -> Result<inbox::tools::lapin::Queue> {
+async fn probe(settings: &Settings, queue: &str) -> Result<rabbit_inbox::tools::lapin::Queue> {
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let passive = QueueDeclareOptions {
@@ -1034,7 +1041,7 @@ enum Item {
 
 /// Six kinds of broken delivery, each carrying `marker` in its body.
 fn malformed(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
-    let id = inbox::uuid::Uuid::now_v7().to_string();
+    let id = rabbit_inbox::uuid::Uuid::now_v7().to_string();
     let json = BasicProperties::default().with_content_type("application/json".into());
     let body = format!(r#"{{"marker": "{marker}"}}"#).into_bytes();
     match kind {
@@ -1072,7 +1079,7 @@ async fn publish_event(
     publisher: &AmqpPublisher,
     queue: &str,
     message: &Message<AttendeeCheckedIn>,
-) -> inbox::Result<()> {
+) -> rabbit_inbox::Result<()> {
     match publisher.wire() {
         Wire::Inbox => publisher.publish(queue, message).await,
         Wire::Masstransit => {
@@ -1095,7 +1102,7 @@ async fn publish_event(
 /// fit the contract. All persistent, as MassTransit publishes: a classic
 /// queue drops a transient message when the broker restarts.
 fn malformed_envelope(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
-    let id = inbox::uuid::Uuid::now_v7();
+    let id = rabbit_inbox::uuid::Uuid::now_v7();
     let envelope = |id: &str, types: &str, message: &str| {
         format!(
             r#"{{"messageId": "{id}", "messageType": [{types}], "message": {message}, "marker": "{marker}"}}"#
@@ -1104,18 +1111,18 @@ fn malformed_envelope(kind: usize, marker: &str) -> (BasicProperties, Vec<u8>) {
     };
     let checked_in = r#""urn:message:Conference.Contracts:AttendeeCheckedIn""#;
     let good = r#"{"attendeeId": 1, "sessionId": 1}"#;
-    let properties = inbox::internal::masstransit::properties(id);
+    let properties = rabbit_inbox::internal::masstransit::properties(id);
     match kind {
         0 => (
             BasicProperties::default()
-                .with_content_type(inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
+                .with_content_type(rabbit_inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
                 .with_delivery_mode(2),
             format!(r#"{{"messageType": [{checked_in}], "message": {good}, "marker": "{marker}"}}"#)
                 .into_bytes(),
         ),
         1 => (
             BasicProperties::default()
-                .with_content_type(inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
+                .with_content_type(rabbit_inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
                 .with_delivery_mode(2),
             envelope("not-a-guid", checked_in, good),
         ),
@@ -1190,12 +1197,12 @@ async fn wait_until_settled(
 async fn check(
     suite: &Suite,
     published: &Published,
-    poison: inbox::uuid::Uuid,
+    poison: rabbit_inbox::uuid::Uuid,
     ok_exit: bool,
 ) -> Result<bool> {
-    let pool = inbox::tools::create_pool(&suite.settings)?;
+    let pool = rabbit_inbox::tools::create_pool(&suite.settings)?;
     let db = pool.get().await?;
-    let inbox_ids: HashSet<inbox::uuid::Uuid> = db
+    let inbox_ids: HashSet<rabbit_inbox::uuid::Uuid> = db
         .query(
             "SELECT message_id FROM inbox_messages WHERE consumer = $1",
             &[&suite.queue],
@@ -1255,7 +1262,7 @@ async fn check(
         in_error += 1;
         let delivery = message.delivery;
         if let Some(id) = delivery.properties.message_id()
-            && let Ok(id) = inbox::uuid::Uuid::try_parse(id.as_str())
+            && let Ok(id) = rabbit_inbox::uuid::Uuid::try_parse(id.as_str())
         {
             if id == poison {
                 // Set aside by the broker's delivery limit, or, on a queue
@@ -1268,7 +1275,7 @@ async fn check(
                         .inner()
                         .get("x-inbox-handler")?;
                     match handler {
-                        inbox::tools::lapin::types::AMQPValue::LongString(text) => {
+                        rabbit_inbox::tools::lapin::types::AMQPValue::LongString(text) => {
                             Some(String::from_utf8_lossy(text.as_bytes()).replace(' ', "_"))
                         }
                         _ => None,
@@ -1296,7 +1303,7 @@ async fn check(
         drained = Some((rows.len(), expected_rows, in_error));
         in_error = u32::try_from(rows.len()).unwrap_or(u32::MAX);
         for row in &rows {
-            let id: Option<inbox::uuid::Uuid> = row.get(0);
+            let id: Option<rabbit_inbox::uuid::Uuid> = row.get(0);
             let body: Vec<u8> = row.get(1);
             let headers: serde_json::Value = row.get(2);
             if let Some(id) = id {
@@ -1436,8 +1443,8 @@ async fn check(
 /// `Q_error` classic and durable with no arguments, each behind a fanout
 /// exchange of its name, and the check-in's exchange bound to `Q`'s.
 async fn declare_as_masstransit(settings: &Settings, queue: &str, skipped_too: bool) -> Result<()> {
-    use inbox::tools::lapin::ExchangeKind;
-    use inbox::tools::lapin::options::ExchangeDeclareOptions;
+    use rabbit_inbox::tools::lapin::ExchangeKind;
+    use rabbit_inbox::tools::lapin::options::ExchangeDeclareOptions;
     let connection = connect(settings).await?;
     let channel = connection.create_channel().await?;
     let durable = QueueDeclareOptions {
@@ -1471,7 +1478,7 @@ async fn declare_as_masstransit(settings: &Settings, queue: &str, skipped_too: b
             )
             .await?;
     }
-    let checked_in = <common::masstransit::AttendeeCheckedIn as inbox::IntegrationEvent>::TYPE;
+    let checked_in = <common::masstransit::AttendeeCheckedIn as rabbit_inbox::IntegrationEvent>::TYPE;
     channel
         .exchange_declare(
             checked_in.into(),
@@ -1495,7 +1502,7 @@ async fn declare_as_masstransit(settings: &Settings, queue: &str, skipped_too: b
 
 /// The reason of the newest `x-death` entry the broker stamped.
 fn death_reason(properties: &BasicProperties) -> Option<String> {
-    use inbox::tools::lapin::types::AMQPValue;
+    use rabbit_inbox::tools::lapin::types::AMQPValue;
     let AMQPValue::FieldArray(deaths) = properties.headers().as_ref()?.inner().get("x-death")? else {
         return None;
     };

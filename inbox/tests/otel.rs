@@ -7,11 +7,11 @@
 #[allow(dead_code, unreachable_pub)]
 mod support;
 
-use inbox::Message;
-use inbox::Runtime;
 use opentelemetry::trace::TracerProvider;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+use rabbit_inbox::Message;
+use rabbit_inbox::Runtime;
 use tracing_subscriber::layer::SubscriberExt;
 
 use support::{Count, Counted, TestEnv, Valid, wait_until};

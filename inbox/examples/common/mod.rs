@@ -4,14 +4,14 @@
 // Each example compiles this module on its own and uses part of it.
 #![allow(dead_code)]
 
-use inbox::tokio_postgres::types::ToSql;
-use inbox::{
+use rabbit_inbox::tokio_postgres::types::ToSql;
+use rabbit_inbox::{
     EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
 };
 use serde::{Deserialize, Serialize};
 
 /// The examples' own failures, and the library's, as one boxed error: a
-/// service has errors of its own beside [`inbox::Error`].
+/// service has errors of its own beside [`rabbit_inbox::Error`].
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `Result` over [`BoxError`] (a handler's is `Result<(), HandlerError>`).
@@ -68,7 +68,7 @@ pub(crate) trait CheckIn: IntegrationEvent {
     fn attendee_id(&self) -> i64;
     fn session_id(&self) -> i64;
     /// Its follow-up, for the message `source_message_id`.
-    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> Self::Recorded;
+    fn recorded(&self, source_message_id: rabbit_inbox::uuid::Uuid) -> Self::Recorded;
 }
 
 impl CheckIn for AttendeeCheckedIn {
@@ -79,7 +79,7 @@ impl CheckIn for AttendeeCheckedIn {
     fn session_id(&self) -> i64 {
         self.session_id
     }
-    fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+    fn recorded(&self, source_message_id: rabbit_inbox::uuid::Uuid) -> CheckinRecorded {
         CheckinRecorded {
             attendee_id: self.attendee_id,
             session_id: self.session_id,
@@ -104,7 +104,7 @@ pub(crate) mod masstransit {
         pub(crate) session_id: i64,
     }
 
-    impl inbox::IntegrationEvent for AttendeeCheckedIn {
+    impl rabbit_inbox::IntegrationEvent for AttendeeCheckedIn {
         const TYPE: &'static str = "Conference.Contracts:AttendeeCheckedIn";
     }
 
@@ -114,10 +114,10 @@ pub(crate) mod masstransit {
     pub(crate) struct CheckinRecorded {
         pub(crate) attendee_id: i64,
         pub(crate) session_id: i64,
-        pub(crate) source_message_id: inbox::uuid::Uuid,
+        pub(crate) source_message_id: rabbit_inbox::uuid::Uuid,
     }
 
-    impl inbox::IntegrationEvent for CheckinRecorded {
+    impl rabbit_inbox::IntegrationEvent for CheckinRecorded {
         const TYPE: &'static str = "Conference.Contracts:CheckinRecorded";
     }
 
@@ -129,7 +129,7 @@ pub(crate) mod masstransit {
         fn session_id(&self) -> i64 {
             self.session_id
         }
-        fn recorded(&self, source_message_id: inbox::uuid::Uuid) -> CheckinRecorded {
+        fn recorded(&self, source_message_id: rabbit_inbox::uuid::Uuid) -> CheckinRecorded {
             CheckinRecorded {
                 attendee_id: self.attendee_id,
                 session_id: self.session_id,
@@ -180,7 +180,7 @@ pub(crate) struct CheckinRecorded {
     pub(crate) attendee_id: i64,
     pub(crate) session_id: i64,
     /// The `AttendeeCheckedIn`'s message_id.
-    pub(crate) source_message_id: inbox::uuid::Uuid,
+    pub(crate) source_message_id: rabbit_inbox::uuid::Uuid,
 }
 
 impl IntegrationEvent for CheckinRecorded {
@@ -199,7 +199,7 @@ pub(crate) struct ForwardCheckins {
 impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
     async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
         let source = uow.context().ok_or("no message context")?.message_id;
-        uow.publish(&self.queue, &inbox::Message::new(event.recorded(source)))
+        uow.publish(&self.queue, &rabbit_inbox::Message::new(event.recorded(source)))
             .await?;
         Ok(())
     }
@@ -226,7 +226,7 @@ impl<E: CheckIn> EventHandler<E> for CountAttendance {
 /// them at start under the inbox's advisory lock
 /// (`RuntimeBuilder::migrations`), so that two replicas starting together
 /// on a fresh database take turns instead of racing.
-pub(crate) const SCHEMA: &[inbox::Migration] = &[inbox::Migration::new(
+pub(crate) const SCHEMA: &[rabbit_inbox::Migration] = &[rabbit_inbox::Migration::new(
     1,
     "checkin_tables",
     // IF NOT EXISTS for databases made before this migration existed,
@@ -236,10 +236,10 @@ pub(crate) const SCHEMA: &[inbox::Migration] = &[inbox::Migration::new(
 )];
 
 /// Applies [`SCHEMA`] (and the inbox's tables) where no runtime is built.
-pub(crate) async fn create_tables(pool: &inbox::tools::deadpool_postgres::Pool) -> Result<()> {
+pub(crate) async fn create_tables(pool: &rabbit_inbox::tools::deadpool_postgres::Pool) -> Result<()> {
     let mut connection = pool.get().await?;
-    let lock_wait = inbox::settings::DatabaseSettings::default().migration_lock_timeout;
-    Ok(inbox::tools::migrate(&mut connection, true, SCHEMA, lock_wait).await?)
+    let lock_wait = rabbit_inbox::settings::DatabaseSettings::default().migration_lock_timeout;
+    Ok(rabbit_inbox::tools::migrate(&mut connection, true, SCHEMA, lock_wait).await?)
 }
 
 /// A small deterministic generator: enough to vary ids, no extra crate.
@@ -287,8 +287,8 @@ pub(crate) async fn create_database(settings: &Settings, name: &str) -> Result<(
         match created {
             Err(e)
                 if e.code().is_some_and(|code| {
-                    *code == inbox::tokio_postgres::error::SqlState::DUPLICATE_DATABASE
-                        || *code == inbox::tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                    *code == rabbit_inbox::tokio_postgres::error::SqlState::DUPLICATE_DATABASE
+                        || *code == rabbit_inbox::tokio_postgres::error::SqlState::UNIQUE_VIOLATION
                 }) => {}
             other => other?,
         }
@@ -307,11 +307,11 @@ pub(crate) async fn drop_database(settings: &Settings, name: &str) -> Result<()>
 
 /// A connection to the maintenance database `postgres` on the server
 /// `database.url` names.
-async fn admin(settings: &Settings) -> Result<inbox::tools::deadpool_postgres::Object> {
+async fn admin(settings: &Settings) -> Result<rabbit_inbox::tools::deadpool_postgres::Object> {
     let mut admin = settings.clone();
     admin.database.set_dbname("postgres")?;
-    let pool = inbox::tools::create_pool(&admin)?;
-    Ok(inbox::tools::wait_for_database(&pool, &admin).await?)
+    let pool = rabbit_inbox::tools::create_pool(&admin)?;
+    Ok(rabbit_inbox::tools::wait_for_database(&pool, &admin).await?)
 }
 
 /// The value after `--name` on the command line.
@@ -353,8 +353,8 @@ pub(crate) fn settings() -> Result<ValidSettings> {
         settings.message_bus.amqp_urls = vec![url];
     }
     match arg("--wire").as_deref() {
-        Some("masstransit") => settings.message_bus.wire = inbox::Wire::Masstransit,
-        Some("inbox") => settings.message_bus.wire = inbox::Wire::Inbox,
+        Some("masstransit") => settings.message_bus.wire = rabbit_inbox::Wire::Masstransit,
+        Some("inbox") => settings.message_bus.wire = rabbit_inbox::Wire::Inbox,
         Some(other) => {
             eprintln!("--wire takes inbox or masstransit, not `{other}`");
             std::process::exit(2);
@@ -374,8 +374,9 @@ pub(crate) fn settings() -> Result<ValidSettings> {
 /// name, when it names none), unless it is the one `DATABASE_URL` names:
 /// that database the service uses as it is.
 pub(crate) fn own_database(settings: &Settings) -> Option<String> {
-    let named =
-        |config: &inbox::tokio_postgres::Config| config.get_dbname().or(config.get_user()).map(str::to_owned);
+    let named = |config: &rabbit_inbox::tokio_postgres::Config| {
+        config.get_dbname().or(config.get_user()).map(str::to_owned)
+    };
     let own = named(&settings.pg_config().ok()?)?;
     // Read as the settings read a URL (libpq's TLS parameters apart).
     let given = std::env::var("DATABASE_URL").ok().and_then(|url| {

@@ -374,7 +374,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// once: nothing waits for the messages in flight (see its `Drop`).
 ///
 /// ```no_run
-/// use inbox::{EventHandler, HandlerError, IntegrationEvent, Runtime, Settings, UnitOfWork};
+/// use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Runtime, Settings, UnitOfWork};
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct OrderPlaced { order_id: i64 }
@@ -393,9 +393,9 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// }
 ///
 /// #[actix::main]
-/// async fn main() -> inbox::Result<()> {
+/// async fn main() -> rabbit_inbox::Result<()> {
 ///     let settings = Settings::load()?;
-///     let signal = inbox::shutdown_signal()?;
+///     let signal = rabbit_inbox::shutdown_signal()?;
 ///     let runtime = Runtime::builder(settings).handler(RecordOrder).start().await?;
 ///     runtime.run_until(signal).await;
 ///     Ok(())

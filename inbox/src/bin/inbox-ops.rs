@@ -11,8 +11,8 @@
 use std::collections::HashMap;
 use std::process::ExitCode;
 
-use inbox::ops::{Filter, Operations, Operator, Role, Selection};
-use inbox::uuid::Uuid;
+use rabbit_inbox::ops::{Filter, Operations, Operator, Role, Selection};
+use rabbit_inbox::uuid::Uuid;
 
 const USAGE: &str = "\
 usage: inbox-ops [--as NAME] COMMAND [OPTIONS]
@@ -183,11 +183,11 @@ fn print(value: impl serde::Serialize) -> Result<(), Failed> {
 
 async fn run(args: Vec<String>) -> Result<(), Failed> {
     let line = parse(args)?;
-    let settings = inbox::Settings::load()?;
+    let settings = rabbit_inbox::Settings::load()?;
     if line.command == "replay" {
         return replay(&line, &settings).await;
     }
-    let ops = Operations::new(inbox::tools::create_pool(&settings)?, &settings);
+    let ops = Operations::new(rabbit_inbox::tools::create_pool(&settings)?, &settings);
     let name = match line.option("--as") {
         Some(name) => name.to_owned(),
         None => format!(
@@ -247,8 +247,8 @@ async fn run(args: Vec<String>) -> Result<(), Failed> {
 /// Moves messages set aside in `Q.error` or `Q.skipped` (`Q_error`,
 /// `Q_skipped`) back to `Q` through the broker, or revives dead outbox
 /// rows: for a service that keeps its failures in the broker.
-async fn replay(line: &Line, settings: &inbox::Settings) -> Result<(), Failed> {
-    use inbox::tools::{self, SetAside};
+async fn replay(line: &Line, settings: &rabbit_inbox::Settings) -> Result<(), Failed> {
+    use rabbit_inbox::tools::{self, SetAside};
     let only = line
         .all("--message-id")
         .iter()

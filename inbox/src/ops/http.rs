@@ -2,9 +2,9 @@
 //! its own server, with the JSON API under `v1/` and the page at its root.
 //!
 //! ```no_run
-//! # async fn run(runtime: &inbox::Runtime) -> std::io::Result<()> {
+//! # async fn run(runtime: &rabbit_inbox::Runtime) -> std::io::Result<()> {
 //! use actix_web::{App, HttpServer};
-//! use inbox::ops::{access::Access, http};
+//! use rabbit_inbox::ops::{access::Access, http};
 //!
 //! let access = Access::from_settings(runtime.settings()).map_err(std::io::Error::other)?;
 //! let operations = runtime.operations();

@@ -54,7 +54,7 @@ pub struct Settings {
 }
 
 /// `[failures]`: where failed messages are kept, and the operator plane
-/// that works on them (`inbox::ops`).
+/// that works on them (`rabbit_inbox::ops`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
@@ -79,7 +79,7 @@ pub struct FailuresSettings {
     /// `token_files`: the files of the operator plane's access tokens, one
     /// `NAME ROLE TOKEN` a line (`ROLE`: `reader`, `operator` or `admin`;
     /// `#` starts a comment). The tokens themselves are never settings.
-    /// Read when the HTTP scope is built (`inbox::ops::http`).
+    /// Read when the HTTP scope is built (`rabbit_inbox::ops::http`).
     pub token_files: Vec<std::path::PathBuf>,
 }
 

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::{EventHandler, HandlerError, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
 
 use crate::batching::{counts, prefill_keys};
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};

@@ -1,10 +1,10 @@
 use std::time::Duration;
 
-use inbox::Message;
-use inbox::Runtime;
-use inbox::internal::fault::headers;
-use inbox::tools::lapin::BasicProperties;
-use inbox::tools::lapin::options::QueueDeleteOptions;
+use rabbit_inbox::Message;
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::fault::headers;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::tools::lapin::options::QueueDeleteOptions;
 
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, header, publish_keys, wait_until};
 
@@ -91,7 +91,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
 
     for (properties, body, reason) in &cases {
         let copy = env
-            .take(&inbox::tools::error_queue(&env.queue))
+            .take(&rabbit_inbox::tools::error_queue(&env.queue))
             .await
             .expect("an error copy per malformed kind");
         assert_eq!(&copy.data, body, "the body is kept as it came");
@@ -113,7 +113,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
         );
     }
     let skipped = env
-        .take(&inbox::tools::skipped_queue(&env.queue))
+        .take(&rabbit_inbox::tools::skipped_queue(&env.queue))
         .await
         .expect("the unknown type is skipped");
     let said = header(&skipped, headers::REASON).unwrap();
@@ -122,7 +122,7 @@ async fn each_malformed_kind_lands_in_the_error_queue_with_its_reason_and_unknow
         "{said}"
     );
     assert_eq!(
-        env.ready(&inbox::tools::error_queue(&env.queue)).await,
+        env.ready(&rabbit_inbox::tools::error_queue(&env.queue)).await,
         0,
         "nothing else was set aside"
     );
@@ -140,7 +140,7 @@ async fn a_malformed_message_is_not_acked_before_its_error_copy_is_confirmed() {
     // The error queue disappears: no copy can be routed there.
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    let error_queue = inbox::tools::error_queue(&env.queue);
+    let error_queue = rabbit_inbox::tools::error_queue(&env.queue);
     channel
         .queue_delete(error_queue.as_str().into(), QueueDeleteOptions::default())
         .await
@@ -205,13 +205,13 @@ async fn a_body_quoted_whole_in_its_error_still_reaches_the_error_queue_with_the
     runtime.shutdown().await;
     for body in &bodies {
         let copy = env
-            .take(&inbox::tools::error_queue(&env.queue))
+            .take(&rabbit_inbox::tools::error_queue(&env.queue))
             .await
             .expect("in the error queue");
         assert_eq!(&copy.data, body, "the body is kept whole");
         let reason = header(&copy, headers::REASON).unwrap();
         assert!(
-            reason.len() <= inbox::internal::fault::MAX_REASON_BYTES,
+            reason.len() <= rabbit_inbox::internal::fault::MAX_REASON_BYTES,
             "{}",
             reason.len()
         );
@@ -239,7 +239,7 @@ async fn a_body_that_is_not_its_event_is_set_aside_before_any_transaction_even_w
         let id = uuid::Uuid::now_v7().to_string();
         env.publish_raw(properties(Some(&id), Some("Counted")), br#"{"key": "one"}"#)
             .await;
-        let error_queue = inbox::tools::error_queue(&env.queue);
+        let error_queue = rabbit_inbox::tools::error_queue(&env.queue);
         wait_until("it is in the error queue while the database is down", || async {
             env.ready(&error_queue).await == 1
         })
@@ -272,16 +272,16 @@ async fn a_consumed_body_is_parsed_once_per_message_in_batches_and_alone() {
         #[serde(deserialize_with = "counted")]
         key: i64,
     }
-    impl inbox::IntegrationEvent for Parsed {
+    impl rabbit_inbox::IntegrationEvent for Parsed {
         const TYPE: &'static str = "Parsed";
     }
     struct CountParsed;
-    impl inbox::EventHandler<Parsed> for CountParsed {
+    impl rabbit_inbox::EventHandler<Parsed> for CountParsed {
         async fn handle(
             &self,
             event: &Parsed,
-            uow: &mut inbox::UnitOfWork,
-        ) -> Result<(), inbox::HandlerError> {
+            uow: &mut rabbit_inbox::UnitOfWork,
+        ) -> Result<(), rabbit_inbox::HandlerError> {
             crate::support::increment(uow, "counts", event.key).await
         }
     }

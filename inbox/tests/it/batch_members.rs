@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::tools::lapin::BasicProperties;
-use inbox::tools::lapin::options::BasicGetOptions;
-use inbox::tools::lapin::types::{AMQPValue, FieldTable};
-use inbox::{EventHandler, HandlerError, Message, Runtime, UnitOfWork};
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::tools::lapin::options::BasicGetOptions;
+use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
+use rabbit_inbox::{EventHandler, HandlerError, Message, Runtime, UnitOfWork};
 
 use crate::batching::{batching, prefill_keys};
 use crate::outbox::with_forward_queue;
@@ -30,7 +30,7 @@ struct Forwarded {
     source_message_id: uuid::Uuid,
 }
 
-impl inbox::IntegrationEvent for Forwarded {
+impl rabbit_inbox::IntegrationEvent for Forwarded {
     const TYPE: &'static str = "Forwarded";
 }
 
@@ -58,7 +58,7 @@ async fn a_handler_written_for_one_message_gets_its_own_context_in_a_batch_and_s
         let id = uuid::Uuid::now_v7();
         let mut headers = FieldTable::default();
         headers.insert(
-            inbox::internal::CORRELATION_ID.into(),
+            rabbit_inbox::internal::CORRELATION_ID.into(),
             AMQPValue::LongString(format!("flow-{key}").into()),
         );
         let properties = BasicProperties::default()
@@ -104,8 +104,8 @@ async fn a_handler_written_for_one_message_gets_its_own_context_in_a_batch_and_s
         let source = sent[&body.key];
         let seen = (
             body.source_message_id,
-            header(&copy, inbox::internal::CAUSATION_ID),
-            header(&copy, inbox::internal::CORRELATION_ID),
+            header(&copy, rabbit_inbox::internal::CAUSATION_ID),
+            header(&copy, rabbit_inbox::internal::CORRELATION_ID),
         );
         if seen
             != (
@@ -170,7 +170,7 @@ async fn publish_in_an_overridden_handle_batch_is_refused_and_names_the_way() {
     assert_eq!(stats.completed, 16, "{stats:?}");
     for _ in 0..16 {
         let copy = env.take(&forward).await.unwrap();
-        assert!(header(&copy, inbox::internal::CAUSATION_ID).is_some());
+        assert!(header(&copy, rabbit_inbox::internal::CAUSATION_ID).is_some());
     }
     // Said once, where a user looks, with the way out.
     let text = log.text();
@@ -232,7 +232,7 @@ async fn only_the_panicking_message_fails(name: &str, early: bool) {
         .start()
         .await
         .unwrap();
-    let error_queue = inbox::Wire::Inbox.error_queue(&env.queue);
+    let error_queue = rabbit_inbox::Wire::Inbox.error_queue(&env.queue);
     wait_until("15 complete and one is set aside", || async {
         let stats = runtime.stats();
         stats.completed + stats.dead_lettered >= 16
@@ -250,9 +250,9 @@ async fn only_the_panicking_message_fails(name: &str, early: bool) {
     let set_aside = env.take(&error_queue).await.expect("key 5 in the error queue");
     let body: Counted = serde_json::from_slice(&set_aside.data).unwrap();
     assert_eq!(body.key, 5);
-    let reason = header(&set_aside, inbox::internal::fault::headers::REASON).unwrap_or_default();
+    let reason = header(&set_aside, rabbit_inbox::internal::fault::headers::REASON).unwrap_or_default();
     assert!(reason.contains("on key 5"), "the panic's text is lost: {reason}");
-    let stage = header(&set_aside, inbox::internal::fault::headers::HANDLER).unwrap_or_default();
+    let stage = header(&set_aside, rabbit_inbox::internal::fault::headers::HANDLER).unwrap_or_default();
     assert!(
         stage.contains("PanicsOn"),
         "recorded as `{stage}`, not the handler"

@@ -2,12 +2,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::Runtime;
-use inbox::internal::Envelope;
-use inbox::internal::{DeliverBatch, Outcome};
-use inbox::tools::AmqpPublisher;
-use inbox::tools::lapin::options::{BasicGetOptions, BasicQosOptions};
-use inbox::{EventHandler, HandlerError, Message, Settings, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::Envelope;
+use rabbit_inbox::internal::{DeliverBatch, Outcome};
+use rabbit_inbox::tools::AmqpPublisher;
+use rabbit_inbox::tools::lapin::options::{BasicGetOptions, BasicQosOptions};
+use rabbit_inbox::{EventHandler, HandlerError, Message, Settings, UnitOfWork};
 
 use crate::hosting::HandWrittenStore;
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, increment, wait_until};
@@ -286,7 +286,7 @@ async fn a_crash_after_a_batch_commit_before_its_acks_is_skipped_on_redelivery()
         .start()
         .await
         .unwrap();
-    let outcomes = inbox::internal::dedup_of(&runtime)
+    let outcomes = rabbit_inbox::internal::dedup_of(&runtime)
         .send(DeliverBatch {
             consumer: env.queue.as_str().into(),
             envelopes,
@@ -660,9 +660,9 @@ async fn a_lone_message_that_keeps_failing_holds_up_no_later_message_by_default(
 
 #[actix_rt::test]
 async fn a_message_back_from_a_retry_tier_is_processed_alone_not_in_a_batch() {
-    use inbox::internal::fault::headers;
-    use inbox::tools::lapin::BasicProperties;
-    use inbox::tools::lapin::types::{AMQPValue, FieldTable};
+    use rabbit_inbox::internal::fault::headers;
+    use rabbit_inbox::tools::lapin::BasicProperties;
+    use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
 
     let env = TestEnv::new("batch_returning").await;
     let settings = batching(&env);

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::tools::lapin::BasicProperties;
 use uuid::Uuid;
 
 use crate::support::{TestEnv, free_port, publish_to, start_ops_service, wait_until};

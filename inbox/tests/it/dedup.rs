@@ -1,10 +1,10 @@
 use std::collections::HashMap;
 
-use inbox::Message;
-use inbox::Runtime;
-use inbox::internal::Envelope;
-use inbox::internal::{Deliver, Outcome};
-use inbox::tools::lapin::options::BasicGetOptions;
+use rabbit_inbox::Message;
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::Envelope;
+use rabbit_inbox::internal::{Deliver, Outcome};
+use rabbit_inbox::tools::lapin::options::BasicGetOptions;
 
 use crate::support::{Count, CountAgain, Counted, TestEnv, Valid, amqp, wait_until};
 
@@ -123,11 +123,13 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
     // Another consumer takes the message before the runtime starts...
     let crashing = amqp().await;
     let channel = crashing.create_channel().await.unwrap();
-    inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    rabbit_inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     let message = Message::new(Counted { key: 3 });
-    let publisher = inbox::tools::AmqpPublisher::new(&crashing, "").await.unwrap();
+    let publisher = rabbit_inbox::tools::AmqpPublisher::new(&crashing, "")
+        .await
+        .unwrap();
     publisher.publish(&env.queue, &message).await.unwrap();
     let taken = channel
         .basic_get(env.queue.as_str().into(), BasicGetOptions { no_ack: false })
@@ -150,7 +152,7 @@ async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
         &env.queue,
     )
     .unwrap();
-    let outcome = inbox::internal::dedup_of(&runtime)
+    let outcome = rabbit_inbox::internal::dedup_of(&runtime)
         .send(Deliver {
             consumer: env.queue.as_str().into(),
             envelope: envelope.into(),

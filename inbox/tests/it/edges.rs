@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::internal::fault::headers;
-use inbox::tools::error_queue;
-use inbox::tools::lapin::BasicProperties;
-use inbox::tools::lapin::types::{AMQPValue, FieldTable};
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::fault::headers;
+use rabbit_inbox::tools::error_queue;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::outbox::with_forward_queue;
 use crate::support::{
@@ -50,7 +50,7 @@ async fn parked(env: &TestEnv) -> Vec<String> {
 
 /// A runtime that only counts, on `settings`, with the inbox's tables made
 /// before rows are staged by hand.
-async fn counting(settings: inbox::Settings) -> Runtime {
+async fn counting(settings: rabbit_inbox::Settings) -> Runtime {
     Runtime::builder(settings.valid())
         .handler(crate::support::Count)
         .start()
@@ -61,7 +61,7 @@ async fn counting(settings: inbox::Settings) -> Runtime {
 #[actix_rt::test]
 async fn an_outbox_row_with_a_header_key_past_255_bytes_is_parked_alone_and_the_rest_flow() {
     let (env, forward) = with_forward_queue("edge_long_header_key").await;
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // First in its round: before the fix, building its properties panicked
@@ -86,7 +86,7 @@ async fn an_outbox_row_with_headers_that_are_not_strings_goes_with_its_strings_a
     let (env, forward) = with_forward_queue("edge_header_values").await;
     let logs = crate::support::Captured::default();
     let _capturing = logs.install();
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // Staging writes strings only; another process may write anything.
@@ -113,7 +113,7 @@ async fn an_outbox_row_with_headers_that_are_not_strings_goes_with_its_strings_a
 #[actix_rt::test]
 async fn an_outbox_row_whose_headers_encode_past_a_frame_is_parked_at_once_not_retried_as_an_outage() {
     let (env, forward) = with_forward_queue("edge_frame_size").await;
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // 12,000 empty headers with 5-byte keys: 60,000 bytes of keys and
@@ -149,7 +149,7 @@ async fn an_outbox_row_whose_headers_encode_past_a_frame_is_parked_at_once_not_r
 #[actix_rt::test]
 async fn a_row_that_closes_the_channel_is_charged_alone_and_its_round_mates_leave() {
     let (env, forward) = with_forward_queue("edge_poisoned_round").await;
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // First of ten in one round: a missing exchange closes the channel
@@ -196,7 +196,7 @@ async fn a_body_past_max_message_size_is_refused_at_staging_and_parked_at_dispat
     struct Large {
         text: String,
     }
-    impl inbox::IntegrationEvent for Large {
+    impl rabbit_inbox::IntegrationEvent for Large {
         const TYPE: &'static str = "Large";
     }
     let large = Message::new(Large {
@@ -233,7 +233,7 @@ async fn a_body_past_max_message_size_is_refused_at_staging_and_parked_at_dispat
 async fn returned_rows_are_matched_by_message_id_never_by_confirm_order() {
     let (mut env, forward) = with_forward_queue("edge_returns").await;
     let nowhere = env.another_queue("nowhere");
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // Unroutable and routable rows in rounds of 1,000, interleaved: the
@@ -509,8 +509,8 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     let env = TestEnv::new("edge_migrate_together").await;
     // No IF NOT EXISTS: without the lock, all but one would fail each round.
     let schema = [
-        inbox::Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)"),
-        inbox::Migration::new(2, "orders_total", "ALTER TABLE orders ADD COLUMN total bigint"),
+        rabbit_inbox::Migration::new(1, "orders", "CREATE TABLE orders (id bigint PRIMARY KEY)"),
+        rabbit_inbox::Migration::new(2, "orders_total", "ALTER TABLE orders ADD COLUMN total bigint"),
     ];
     for round in 0..20 {
         let mut clients = Vec::new();
@@ -520,7 +520,7 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
         let results = futures_util::future::join_all(
             clients
                 .iter_mut()
-                .map(|client| inbox::tools::migrate(client, false, &schema, LOCK_WAIT)),
+                .map(|client| rabbit_inbox::tools::migrate(client, false, &schema, LOCK_WAIT)),
         )
         .await;
         for result in results {
@@ -538,11 +538,15 @@ async fn service_migrations_run_by_four_instances_at_once_are_applied_once() {
     }
     // A version applied under one name and listed under another is refused.
     let mut client = env.db().await;
-    inbox::tools::migrate(&mut client, false, &schema, LOCK_WAIT)
+    rabbit_inbox::tools::migrate(&mut client, false, &schema, LOCK_WAIT)
         .await
         .unwrap();
-    let renamed = [inbox::Migration::new(1, "customers", "CREATE TABLE customers ()")];
-    let refused = inbox::tools::migrate(&mut client, false, &renamed, LOCK_WAIT)
+    let renamed = [rabbit_inbox::Migration::new(
+        1,
+        "customers",
+        "CREATE TABLE customers ()",
+    )];
+    let refused = rabbit_inbox::tools::migrate(&mut client, false, &renamed, LOCK_WAIT)
         .await
         .unwrap_err()
         .to_string();

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inbox::tokio_postgres::{Client, NoTls};
-use inbox::{EventHandler, HandlerError, UnitOfWork};
-use inbox::{Runtime, StatsSnapshot};
+use rabbit_inbox::tokio_postgres::{Client, NoTls};
+use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
+use rabbit_inbox::{Runtime, StatsSnapshot};
 
 use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
@@ -78,7 +78,7 @@ async fn turn_read_only(admin: &Client, database: &str) {
 async fn connect(port: u16, database: &str) -> Client {
     let url = format!("postgres://postgres@127.0.0.1:{port}/{database}");
     let (client, connection) = url
-        .parse::<inbox::tokio_postgres::Config>()
+        .parse::<rabbit_inbox::tokio_postgres::Config>()
         .unwrap()
         .connect(NoTls)
         .await
@@ -193,7 +193,7 @@ async fn second_server(database: &str) -> Client {
         .batch_execute("CREATE TABLE counts (key bigint PRIMARY KEY, n bigint NOT NULL)")
         .await
         .unwrap();
-    inbox::internal::run_migrations(&mut client).await.unwrap();
+    rabbit_inbox::internal::run_migrations(&mut client).await.unwrap();
     client
 }
 

@@ -3,11 +3,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::internal::fault::headers;
-use inbox::tools::AmqpPublisher;
-use inbox::tools::{SetAside, error_queue, retry_queue};
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::fault::headers;
+use rabbit_inbox::tools::AmqpPublisher;
+use rabbit_inbox::tools::{SetAside, error_queue, retry_queue};
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{
     Count, Counted, TestEnv, Valid, amqp, crash_once_on, declare, delivered_before, header, increment,
@@ -263,7 +263,7 @@ async fn replay_moves_messages_back_and_a_processed_one_is_skipped() {
         .unwrap();
 
     let only: HashSet<_> = [failed.id, processed.id].into();
-    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, Some(&only))
+    let report = rabbit_inbox::tools::replay(&connection, &env.queue, SetAside::Error, Some(&only))
         .await
         .unwrap();
     assert_eq!((report.replayed, report.left), (2, 1));
@@ -309,9 +309,9 @@ async fn a_queue_declared_with_other_arguments_is_one_startup_error_naming_it() 
     let env = TestEnv::new("topology_mismatch").await;
     let mut settings = env.settings();
     // The queue exists as a classic queue; the settings say quorum.
-    settings.queues[0].kind = Some(inbox::QueueKind::Classic);
+    settings.queues[0].kind = Some(rabbit_inbox::QueueKind::Classic);
     declare(&settings).await;
-    settings.queues[0].kind = Some(inbox::QueueKind::Quorum);
+    settings.queues[0].kind = Some(rabbit_inbox::QueueKind::Quorum);
 
     let error = match Runtime::builder(settings.valid()).handler(Count).start().await {
         Ok(_) => panic!("the runtime started over a mismatched queue"),
@@ -345,10 +345,10 @@ async fn a_message_delivered_past_the_delivery_limit_lands_in_the_error_queue() 
         let (channel, queue) = (channel.clone(), env.queue.clone());
         deliveries += 1;
         async move {
-            let options = inbox::tools::lapin::options::BasicGetOptions { no_ack: false };
+            let options = rabbit_inbox::tools::lapin::options::BasicGetOptions { no_ack: false };
             match channel.basic_get(queue.as_str().into(), options).await.unwrap() {
                 Some(got) => {
-                    let requeue = inbox::tools::lapin::options::BasicNackOptions {
+                    let requeue = rabbit_inbox::tools::lapin::options::BasicNackOptions {
                         requeue: true,
                         ..Default::default()
                     };
@@ -376,8 +376,8 @@ async fn a_message_delivered_past_the_delivery_limit_lands_in_the_error_queue() 
 }
 
 /// The reason of the newest `x-death` entry the broker stamped.
-fn death_reason(delivery: &inbox::tools::lapin::message::Delivery) -> Option<String> {
-    use inbox::tools::lapin::types::AMQPValue;
+fn death_reason(delivery: &rabbit_inbox::tools::lapin::message::Delivery) -> Option<String> {
+    use rabbit_inbox::tools::lapin::types::AMQPValue;
     let headers = delivery.properties.headers().as_ref()?;
     let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
         return None;
@@ -400,15 +400,15 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
     // Set aside while no handler for its type was registered (a runtime
     // deployed without it), with the fault headers the move stamps.
     let message = Message::new(Counted { key: 9 });
-    let fault = inbox::internal::fault::Fault {
+    let fault = rabbit_inbox::internal::fault::Fault {
         reason: "no handler registered for type `Counted`",
         handler: "dispatch",
-        history: inbox::internal::fault::FailureHistory::default(),
+        history: rabbit_inbox::internal::fault::FailureHistory::default(),
         source_queue: &env.queue,
     };
-    let mut stamped = inbox::tools::lapin::types::FieldTable::default();
+    let mut stamped = rabbit_inbox::tools::lapin::types::FieldTable::default();
     fault.stamp(&mut stamped);
-    let properties = inbox::tools::lapin::BasicProperties::default()
+    let properties = rabbit_inbox::tools::lapin::BasicProperties::default()
         .with_message_id(message.id.to_string().into())
         .with_type("Counted".into())
         .with_headers(stamped);
@@ -416,7 +416,7 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         .await
         .unwrap()
         .publish_raw(
-            &inbox::tools::skipped_queue(&env.queue),
+            &rabbit_inbox::tools::skipped_queue(&env.queue),
             properties,
             &message.to_json().unwrap(),
         )
@@ -428,14 +428,17 @@ async fn replay_from_the_skipped_queue_brings_messages_back_once_a_handler_is_re
         .start()
         .await
         .unwrap();
-    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Skipped, None)
+    let report = rabbit_inbox::tools::replay(&connection, &env.queue, SetAside::Skipped, None)
         .await
         .unwrap();
     assert_eq!((report.replayed, report.left), (1, 0));
     wait_until("it is processed", || async { runtime.stats().completed == 1 }).await;
     runtime.shutdown().await;
     assert_eq!(env.count("counts", 9).await, 1);
-    assert_eq!(env.ready(&inbox::tools::skipped_queue(&env.queue)).await, 0);
+    assert_eq!(
+        env.ready(&rabbit_inbox::tools::skipped_queue(&env.queue)).await,
+        0
+    );
     connection.close(200, "done".into()).await.unwrap();
 }
 
@@ -444,7 +447,7 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
     let env = TestEnv::new("replay_delivery_limit").await;
     let mut settings = env.settings();
     // A classic queue: the runtime counts its deliveries itself.
-    settings.queues[0].kind = Some(inbox::QueueKind::Classic);
+    settings.queues[0].kind = Some(rabbit_inbox::QueueKind::Classic);
     settings.queues[0].delivery_limit = 3;
     declare(&settings).await;
 
@@ -476,7 +479,7 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
     assert_eq!(env.count("counts", 1).await, 0);
 
     // The cause fixed, it is replayed; a consumer crashes on it once more.
-    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
+    let report = rabbit_inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
         .await
         .unwrap();
     assert_eq!(report.replayed, 1);

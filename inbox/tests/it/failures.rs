@@ -1,8 +1,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::Runtime;
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 

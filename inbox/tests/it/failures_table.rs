@@ -2,9 +2,9 @@
 //! moved into `inbox_failures`, one row per message, each copy acked only
 //! once its row is committed.
 
-use inbox::Runtime;
-use inbox::tools::lapin::BasicProperties;
-use inbox::{EventHandler, HandlerError, Message, Permanent, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::{EventHandler, HandlerError, Message, Permanent, UnitOfWork};
 use uuid::Uuid;
 
 use crate::support::{Counted, TestEnv, Valid, increment, publish_to, wait_until};
@@ -50,8 +50,8 @@ async fn what_the_queues_set_aside_is_drained_into_one_row_per_message_and_a_cop
         .with_type("NobodyHandlesThis".into())
         .with_content_type("application/json".into());
     env.publish_raw(unknown_properties, b"{}").await;
-    let error_queue = inbox::tools::error_queue(&env.queue);
-    let skipped_queue = inbox::tools::skipped_queue(&env.queue);
+    let error_queue = rabbit_inbox::tools::error_queue(&env.queue);
+    let skipped_queue = rabbit_inbox::tools::skipped_queue(&env.queue);
     wait_until("four failures in the table, none left in the queues", || async {
         env.scalar("SELECT count(*) FROM inbox_failures").await == 4
             && env.ready(&error_queue).await == 0
@@ -116,13 +116,15 @@ async fn what_the_queues_set_aside_is_drained_into_one_row_per_message_and_a_cop
             .unwrap();
         (serde_json::from_str(row.get(0)).unwrap(), row.get(1))
     };
-    let mut headers = inbox::tools::lapin::types::FieldTable::default();
+    let mut headers = rabbit_inbox::tools::lapin::types::FieldTable::default();
     for (key, value) in properties.as_object().unwrap() {
         let value = match value {
             serde_json::Value::String(text) => {
-                inbox::tools::lapin::types::AMQPValue::LongString(text.as_str().into())
+                rabbit_inbox::tools::lapin::types::AMQPValue::LongString(text.as_str().into())
             }
-            other => inbox::tools::lapin::types::AMQPValue::LongLongInt(other.as_i64().unwrap_or_default()),
+            other => {
+                rabbit_inbox::tools::lapin::types::AMQPValue::LongLongInt(other.as_i64().unwrap_or_default())
+            }
         };
         headers.insert(key.as_str().into(), value);
     }

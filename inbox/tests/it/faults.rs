@@ -1,7 +1,7 @@
 use std::time::Duration;
 
-use inbox::Message;
-use inbox::Runtime;
+use rabbit_inbox::Message;
+use rabbit_inbox::Runtime;
 
 use crate::proxy::{broker_through_proxy, database_through_proxy};
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, publish_keys, rabbitmqctl, wait_until};
@@ -188,8 +188,12 @@ struct CountAllBut {
     key: i64,
 }
 
-impl inbox::EventHandler<Counted> for CountAllBut {
-    async fn handle(&self, event: &Counted, uow: &mut inbox::UnitOfWork) -> Result<(), inbox::HandlerError> {
+impl rabbit_inbox::EventHandler<Counted> for CountAllBut {
+    async fn handle(
+        &self,
+        event: &Counted,
+        uow: &mut rabbit_inbox::UnitOfWork,
+    ) -> Result<(), rabbit_inbox::HandlerError> {
         if event.key == self.key {
             return Err("fails on purpose".into());
         }
@@ -253,7 +257,7 @@ async fn a_reconnect_while_batches_are_held_and_buffered_acks_nothing_before_its
     }
     assert_eq!(env.ready(&env.queue).await, 0);
     assert_eq!(
-        env.ready(&inbox::tools::error_queue(&env.queue)).await,
+        env.ready(&rabbit_inbox::tools::error_queue(&env.queue)).await,
         1,
         "key 5 was set aside once: the stale copy was not processed"
     );
@@ -296,7 +300,7 @@ async fn a_database_network_that_drops_packets_holds_messages_and_loses_nothing(
         assert_eq!(env.count("counts", key).await, 1, "key {key}");
     }
     assert_eq!(env.ready(&env.queue).await, 0);
-    assert_eq!(env.ready(&inbox::tools::error_queue(&env.queue)).await, 0);
+    assert_eq!(env.ready(&rabbit_inbox::tools::error_queue(&env.queue)).await, 0);
 }
 
 #[actix_rt::test]
@@ -315,7 +319,7 @@ async fn a_broker_network_that_drops_packets_holds_messages_and_loses_nothing() 
         async move {
             for key in keys {
                 let message = Message::new(Counted { key });
-                let properties = inbox::tools::lapin::BasicProperties::default()
+                let properties = rabbit_inbox::tools::lapin::BasicProperties::default()
                     .with_message_id(message.id.to_string().into())
                     .with_type("Counted".into());
                 env.publish_raw(properties, &message.to_json().unwrap()).await;

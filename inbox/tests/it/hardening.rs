@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox::internal::fault::headers;
-use inbox::tools::lapin::BasicProperties;
-use inbox::tools::lapin::types::{AMQPValue, FieldTable};
-use inbox::tools::{error_queue, retry_queue};
-use inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
-use inbox::{Runtime, StatsSnapshot};
+use rabbit_inbox::internal::fault::headers;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
+use rabbit_inbox::tools::{error_queue, retry_queue};
+use rabbit_inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
+use rabbit_inbox::{Runtime, StatsSnapshot};
 
 use crate::batching::{batching, counts, prefill_keys};
 use crate::support::{Counted, TestEnv, Valid, header, increment, publish_keys, rabbitmqctl, wait_until};
@@ -79,7 +79,7 @@ impl EventHandler<Counted> for FailsFor {
 /// What became of key 7 when it failed `how` among keys 0..5.
 struct Failed {
     /// Its copy in the error queue.
-    copy: inbox::tools::lapin::message::Delivery,
+    copy: rabbit_inbox::tools::lapin::message::Delivery,
     /// The handler's calls for it.
     calls: usize,
     stats: StatsSnapshot,

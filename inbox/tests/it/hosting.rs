@@ -1,6 +1,6 @@
-use inbox::Runtime;
-use inbox::store::{InboxKey, InboxStore, StoreResult};
-use inbox::{Message, Provider, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::store::{InboxKey, InboxStore, StoreResult};
+use rabbit_inbox::{Message, Provider, UnitOfWork};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, wait_until};
 
@@ -165,7 +165,7 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
         .publish("ignored", &Message::new(Counted { key: -3 }))
         .await;
     assert!(
-        matches!(&refused, Err(e) if e.kind() == inbox::ErrorKind::Abandoned),
+        matches!(&refused, Err(e) if e.kind() == rabbit_inbox::ErrorKind::Abandoned),
         "{refused:?}"
     );
     runtime.shutdown().await;
@@ -184,12 +184,12 @@ async fn in_process_dispatches_without_a_broker_through_the_same_inbox() {
 /// Refuses events with a negative key.
 struct RefusesNegativeKeys;
 
-impl inbox::EventHandler<Counted> for RefusesNegativeKeys {
+impl rabbit_inbox::EventHandler<Counted> for RefusesNegativeKeys {
     async fn handle(
         &self,
         event: &Counted,
         _uow: &mut UnitOfWork,
-    ) -> std::result::Result<(), inbox::HandlerError> {
+    ) -> std::result::Result<(), rabbit_inbox::HandlerError> {
         if event.key < 0 {
             return Err("negative keys are refused".into());
         }
@@ -202,7 +202,9 @@ async fn two_consumers_of_one_event_in_one_database_each_process_it_once() {
     let mut env = TestEnv::new("two_consumers").await;
     let other_queue = env.another_queue("billing");
     let mut settings = env.settings();
-    settings.queues.push(inbox::QueueSettings::new(&other_queue));
+    settings
+        .queues
+        .push(rabbit_inbox::QueueSettings::new(&other_queue));
     let runtime = Runtime::builder(settings.valid())
         .handler(Count)
         .start()
@@ -356,7 +358,7 @@ const MIGRATION_LOCK: i64 = 0x0069_6e62_6f78;
 
 /// A session of "another replica" holding the migration lock until it is
 /// released or dropped.
-async fn hold_migration_lock(env: &TestEnv) -> inbox::tokio_postgres::Client {
+async fn hold_migration_lock(env: &TestEnv) -> rabbit_inbox::tokio_postgres::Client {
     let holder = env.db().await;
     holder
         .batch_execute(&format!(
@@ -368,7 +370,7 @@ async fn hold_migration_lock(env: &TestEnv) -> inbox::tokio_postgres::Client {
 }
 
 /// The settings of a start whose per-message timeouts are short: a second.
-fn impatient(env: &TestEnv) -> inbox::Settings {
+fn impatient(env: &TestEnv) -> rabbit_inbox::Settings {
     let mut settings = env.settings();
     settings.message_bus.provider = Provider::InProcess;
     settings.database.transaction_timeout = std::time::Duration::from_secs(1);
@@ -386,7 +388,7 @@ async fn a_start_waits_out_another_instances_migrations_past_the_per_message_tim
         holder.batch_execute("COMMIT").await.unwrap();
     });
     // A migration of the service's that takes longer than the timeout too.
-    let slow = [inbox::Migration::new(
+    let slow = [rabbit_inbox::Migration::new(
         1,
         "slow_backfill",
         "SELECT pg_sleep(1.5); CREATE TABLE backfilled (id bigint PRIMARY KEY)",

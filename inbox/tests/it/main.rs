@@ -14,6 +14,8 @@ mod failures_table;
 mod operator_plane;
 // The operator page in headless Chromium, against the example service.
 mod browser;
+// README's embedding example: the example word for word, and it works as shown.
+mod readme;
 // A redrive while two instances of the example service compete for it and are killed.
 mod redrive_kills;
 // Malformed deliveries go to the error queue, unknown types to the skipped queue, never looped.

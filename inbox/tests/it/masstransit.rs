@@ -5,10 +5,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use inbox::Runtime;
-use inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE;
-use inbox::tools::lapin::BasicProperties;
-use inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Permanent, UnitOfWork, Wire};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::{
+    EventHandler, HandlerError, IntegrationEvent, MessageContext, Permanent, UnitOfWork, Wire,
+};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -54,7 +56,7 @@ impl EventHandler<Counted> for CountAndRemember {
 }
 
 /// An envelope in the shape MassTransit 8.5 writes (the captured one of
-/// `inbox::internal::masstransit`'s tests), for `message_type` with `message`.
+/// `rabbit_inbox::internal::masstransit`'s tests), for `message_type` with `message`.
 fn envelope(id: Uuid, conversation: Uuid, message_type: &str, message: &str) -> String {
     envelope_with(id, conversation, message_type, message, None, "{}")
 }
@@ -103,7 +105,7 @@ async fn publish_as_masstransit(exchange: &str, id: Uuid, body: &str) {
     publish_to(exchange, "", properties, body.as_bytes()).await;
 }
 
-fn masstransit(env: &TestEnv) -> inbox::Settings {
+fn masstransit(env: &TestEnv) -> rabbit_inbox::Settings {
     let mut settings = env.settings();
     settings.message_bus.wire = Wire::Masstransit;
     settings
@@ -216,10 +218,10 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     let subscriber = env.another_queue("subscriber");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::tools::declare_queue(&channel, &subscriber, inbox::QueueKind::Quorum)
+    rabbit_inbox::tools::declare_queue(&channel, &subscriber, rabbit_inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::tools::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
+    rabbit_inbox::tools::bind_to_fanout(&channel, &subscriber, Announced::TYPE)
         .await
         .unwrap();
     let runtime = Runtime::builder(masstransit(&env).valid())
@@ -227,7 +229,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
         .start()
         .await
         .unwrap();
-    let message = inbox::Message::new(Announced { key: 3 });
+    let message = rabbit_inbox::Message::new(Announced { key: 3 });
     // The routing key means nothing to a type's fanout exchange; twice, as
     // a publisher that lost the first confirm would.
     runtime.publisher().publish("ignored", &message).await.unwrap();
@@ -241,7 +243,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     // MassTransit's publishes; the publish is not an error.
     runtime
         .publisher()
-        .publish("", &inbox::Message::new(Unheard { key: 4 }))
+        .publish("", &rabbit_inbox::Message::new(Unheard { key: 4 }))
         .await
         .expect("a publish no queue takes");
     // Someone deletes the type's exchange: the broker closes the channel
@@ -253,7 +255,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     let mut failed = 0;
     while let Err(e) = runtime
         .publisher()
-        .publish("", &inbox::Message::new(Unheard { key: 5 }))
+        .publish("", &rabbit_inbox::Message::new(Unheard { key: 5 }))
         .await
     {
         failed += 1;
@@ -272,7 +274,7 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
         Some(ENVELOPE_CONTENT_TYPE)
     );
     assert_eq!(sent.properties.kind(), &None, "MassTransit sets no `type`");
-    let decoded = inbox::internal::masstransit::decode(&sent.properties, &sent.data, false).unwrap();
+    let decoded = rabbit_inbox::internal::masstransit::decode(&sent.properties, &sent.data, false).unwrap();
     assert_eq!(decoded.context.message_types, [Announced::TYPE]);
     assert_eq!(decoded.message_id, message.id);
     assert!(decoded.context.conversation_id.is_some(), "a new conversation");
@@ -483,7 +485,7 @@ impl EventHandler<Counted> for Forward {
             key: event.key,
             source_message_id,
         };
-        uow.publish("", &inbox::Message::new(recorded)).await?;
+        uow.publish("", &rabbit_inbox::Message::new(recorded)).await?;
         Ok(())
     }
 }
@@ -495,9 +497,9 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     // fanout exchange.
     let forward = env.another_queue("recorded");
     let connection = amqp().await;
-    inbox::tools::declare_wire_topology(
+    rabbit_inbox::tools::declare_wire_topology(
         &connection,
-        &inbox::QueueSettings::new(&forward),
+        &rabbit_inbox::QueueSettings::new(&forward),
         &Default::default(),
         Wire::Masstransit,
         &[Recorded::TYPE],
@@ -535,7 +537,7 @@ async fn a_follow_up_goes_out_in_masstransits_envelope_to_its_types_exchange() {
     assert_eq!(properties.kind(), &None, "MassTransit sets no AMQP type");
     assert_eq!(properties.delivery_mode(), &Some(2));
     // What a MassTransit consumer reads of it.
-    let decoded = inbox::internal::masstransit::decode(properties, &arrived.data, false).unwrap();
+    let decoded = rabbit_inbox::internal::masstransit::decode(properties, &arrived.data, false).unwrap();
     assert_eq!(
         properties.message_id().as_ref().map(|i| i.as_str().to_owned()),
         Some(decoded.message_id.to_string())
@@ -588,7 +590,7 @@ impl EventHandler<Counted> for ForwardInBatch {
             key: event.key,
             source_message_id,
         });
-        uow.publish("", &inbox::Message::new(recorded)).await?;
+        uow.publish("", &rabbit_inbox::Message::new(recorded)).await?;
         Ok(())
     }
 }
@@ -603,15 +605,21 @@ async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_ini
     let settings = masstransit(&env);
     for (queue, failure, message_type) in [
         (
-            &inbox::QueueSettings::new(&forward),
+            &rabbit_inbox::QueueSettings::new(&forward),
             &Default::default(),
             RecordedInBatch::TYPE,
         ),
         (&settings.queues[0], &settings.failure, Counted::TYPE),
     ] {
-        inbox::tools::declare_wire_topology(&connection, queue, failure, Wire::Masstransit, &[message_type])
-            .await
-            .unwrap();
+        rabbit_inbox::tools::declare_wire_topology(
+            &connection,
+            queue,
+            failure,
+            Wire::Masstransit,
+            &[message_type],
+        )
+        .await
+        .unwrap();
     }
     connection.close(200, "declared".into()).await.unwrap();
     // Waiting before the runtime starts, so that batches (8 by default)
@@ -646,7 +654,7 @@ async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_ini
     for _ in 0..16 {
         let arrived = env.take(&forward).await.expect("a follow-up");
         let decoded =
-            inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
+            rabbit_inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
         let RecordedInBatch(message) = serde_json::from_slice(&decoded.message).unwrap();
         let (id, conversation, correlation) = sent[&message.key];
         assert_eq!(message.source_message_id, id, "key {}", message.key);
@@ -723,7 +731,8 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
         .get(0);
     assert_eq!(checkins, 1, "once, the redelivery skipped");
     let arrived = env.take(&forward).await.expect("the follow-up");
-    let decoded = inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
+    let decoded =
+        rabbit_inbox::internal::masstransit::decode(&arrived.properties, &arrived.data, false).unwrap();
     assert_eq!(decoded.context.message_types, [RECORDED]);
     // What MassTransit's TransferConsumeContextHeaders gives a follow-up.
     assert_eq!(decoded.context.initiator_id, Some(correlation.to_string()));
@@ -809,12 +818,14 @@ async fn a_message_replayed_from_q_error_runs_again_without_masstransits_fault_h
     })
     .await;
 
-    let connection = inbox::tools::connect(&settings, "test replay").await.unwrap();
-    let report = inbox::tools::replay_on(
+    let connection = rabbit_inbox::tools::connect(&settings, "test replay")
+        .await
+        .unwrap();
+    let report = rabbit_inbox::tools::replay_on(
         Wire::Masstransit,
         &connection,
         &env.queue,
-        inbox::tools::SetAside::Error,
+        rabbit_inbox::tools::SetAside::Error,
         None,
     )
     .await
@@ -860,23 +871,23 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     // (shared with any other test's faults).
     let faults = env.another_queue("faults");
     let all_faults = env.another_queue("all_faults");
-    let exchange = inbox::internal::masstransit::fault_exchange(Faulted::TYPE);
+    let exchange = rabbit_inbox::internal::masstransit::fault_exchange(Faulted::TYPE);
     assert_eq!(exchange, "MassTransit:Fault--Inbox.Tests.MassTransit:Faulted--");
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::tools::declare_queue(&channel, &faults, inbox::QueueKind::Quorum)
+    rabbit_inbox::tools::declare_queue(&channel, &faults, rabbit_inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::tools::bind_to_fanout(&channel, &faults, &exchange)
+    rabbit_inbox::tools::bind_to_fanout(&channel, &faults, &exchange)
         .await
         .unwrap();
-    inbox::tools::declare_queue(&channel, &all_faults, inbox::QueueKind::Quorum)
+    rabbit_inbox::tools::declare_queue(&channel, &all_faults, rabbit_inbox::QueueKind::Quorum)
         .await
         .unwrap();
-    inbox::tools::bind_to_fanout(
+    rabbit_inbox::tools::bind_to_fanout(
         &channel,
         &all_faults,
-        inbox::internal::masstransit::FAULT_EXCHANGE,
+        rabbit_inbox::internal::masstransit::FAULT_EXCHANGE,
     )
     .await
     .unwrap();
@@ -896,7 +907,7 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     runtime.shutdown().await;
 
     let fault = env.take(&faults).await.expect("the fault");
-    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
+    let decoded = rabbit_inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
     assert_eq!(
         decoded.context.message_types,
         [
@@ -918,7 +929,8 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     // As MassTransit binds them, `Fault<T>`'s exchange feeds `Fault`'s.
     let mut faulted_ids = Vec::new();
     while let Some(fault) = env.take(&all_faults).await {
-        let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
+        let decoded =
+            rabbit_inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         faulted_ids.push(body["faultedMessageId"].as_str().unwrap_or_default().to_owned());
     }
@@ -950,11 +962,11 @@ async fn declare_as_masstransit(queue: &str, types: &[&str]) {
 async fn declare_as_masstransit_with(
     queue: &str,
     types: &[&str],
-    arguments: inbox::tools::lapin::types::FieldTable,
+    arguments: rabbit_inbox::tools::lapin::types::FieldTable,
 ) {
-    use inbox::tools::lapin::ExchangeKind;
-    use inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
-    use inbox::tools::lapin::types::FieldTable;
+    use rabbit_inbox::tools::lapin::ExchangeKind;
+    use rabbit_inbox::tools::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+    use rabbit_inbox::tools::lapin::types::FieldTable;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let durable = QueueDeclareOptions {
@@ -1013,7 +1025,7 @@ async fn declare_as_masstransit_with(
 /// Whether `queue` is still as MassTransit declared it: classic, with no
 /// arguments (declaring it so again is no change).
 async fn still_without_arguments(queue: &str) -> bool {
-    use inbox::tools::lapin::options::QueueDeclareOptions;
+    use rabbit_inbox::tools::lapin::options::QueueDeclareOptions;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let durable = QueueDeclareOptions {
@@ -1133,7 +1145,7 @@ async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_
     let (poison, body) = checkin(POISON);
     publish_as_masstransit(&env.queue, poison, &body).await;
     let error_queue = Wire::Masstransit.error_queue(&env.queue);
-    let limit = inbox::QueueSettings::new("q").delivery_limit;
+    let limit = rabbit_inbox::QueueSettings::new("q").delivery_limit;
     let mut starts = 0;
     while env.ready(&error_queue).await == 0 {
         starts += 1;
@@ -1203,17 +1215,17 @@ impl EventHandler<CheckedIn> for CountCheckIn {
 
 #[actix_rt::test]
 async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_masstransit_sets_it() {
-    use inbox::internal::masstransit::{RAW_JSON_CONTENT_TYPE, headers as mt};
+    use rabbit_inbox::internal::masstransit::{RAW_JSON_CONTENT_TYPE, headers as mt};
     let mut env = TestEnv::new("mt_forms").await;
     let raw_queue = env.another_queue("raw");
     let raw_of_two = env.another_queue("raw_of_two");
     let mut settings = masstransit(&env);
     settings.queues[0].event_types = vec![CheckedIn::TYPE.to_owned()];
-    let mut raw = inbox::QueueSettings::new(&raw_queue);
+    let mut raw = rabbit_inbox::QueueSettings::new(&raw_queue);
     raw.raw_json = true;
     raw.event_types = vec![CheckedIn::TYPE.to_owned()];
     settings.queues.push(raw);
-    let mut of_two = inbox::QueueSettings::new(&raw_of_two);
+    let mut of_two = rabbit_inbox::QueueSettings::new(&raw_of_two);
     of_two.raw_json = true;
     settings.queues.push(of_two);
     let runtime = Runtime::builder(settings.valid())
@@ -1281,10 +1293,10 @@ async fn every_message_form_masstransit_reads_is_consumed_or_set_aside_where_mas
     }
     // Raw JSON where the endpoint reads raw: its type in a header.
     let raw_id = Uuid::now_v7();
-    let mut table = inbox::tools::lapin::types::FieldTable::default();
+    let mut table = rabbit_inbox::tools::lapin::types::FieldTable::default();
     table.insert(
         mt::MESSAGE_TYPE.into(),
-        inbox::tools::lapin::types::AMQPValue::LongString(typed.as_str().into()),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongString(typed.as_str().into()),
     );
     let raw_properties = BasicProperties::default()
         .with_message_id(raw_id.to_string().into())
@@ -1540,7 +1552,7 @@ async fn each_queue_takes_the_types_it_names_and_a_type_named_on_two_is_processe
     let second = env.another_queue("b");
     let mut settings = masstransit(&env);
     settings.queues[0].event_types = vec![PerQueueA::TYPE.into(), PerQueueBoth::TYPE.into()];
-    let mut b = inbox::QueueSettings::new(&second);
+    let mut b = rabbit_inbox::QueueSettings::new(&second);
     b.event_types = vec![PerQueueB::TYPE.into(), PerQueueBoth::TYPE.into()];
     settings.queues.push(b);
     let runtime = Runtime::builder(settings.clone().valid())
@@ -1625,7 +1637,7 @@ async fn counted_per_type(env: &TestEnv) -> (i64, i64, i64) {
 
 #[actix_rt::test]
 async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
-    use inbox::tools::lapin::options::QueueDeclareOptions;
+    use rabbit_inbox::tools::lapin::options::QueueDeclareOptions;
     let env = TestEnv::new("mt_error_left").await;
     // The endpoint's queue is gone, its error queue kept (as an operator
     // leaves it to look at): classic, without arguments.
@@ -1663,7 +1675,7 @@ async fn an_error_queue_masstransit_left_is_used_as_it_is_beside_a_new_queue() {
 /// `x-queue-type: quorum` and nothing more (no delivery limit, no
 /// dead-lettering), behind a fanout exchange of its name.
 async fn declare_as_masstransit_quorum(queue: &str) {
-    use inbox::tools::lapin::types::{AMQPValue, FieldTable};
+    use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
     let mut quorum = FieldTable::default();
     quorum.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
     declare_as_masstransit_with(queue, &[], quorum).await;
@@ -1749,7 +1761,7 @@ impl EventHandler<Tagged> for ForwardTagged {
         if event.id == 7 {
             return Err(Permanent::new("seven is refused").into());
         }
-        uow.publish("", &inbox::Message::new(TaggedCopy(event.clone())))
+        uow.publish("", &rabbit_inbox::Message::new(TaggedCopy(event.clone())))
             .await?;
         Ok(())
     }
@@ -1763,14 +1775,14 @@ impl EventHandler<Tagged> for ForwardTagged {
 async fn a_messages_keys_reach_its_handler_fault_and_follow_up_as_they_were_sent() {
     let mut env = TestEnv::new("mt_keys").await;
     let (faults, copies) = (env.another_queue("faults"), env.another_queue("copies"));
-    let fault_exchange = inbox::internal::masstransit::fault_exchange(Tagged::TYPE);
+    let fault_exchange = rabbit_inbox::internal::masstransit::fault_exchange(Tagged::TYPE);
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     for (queue, exchange) in [(&faults, fault_exchange.as_str()), (&copies, TaggedCopy::TYPE)] {
-        inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
+        rabbit_inbox::tools::declare_queue(&channel, queue, rabbit_inbox::QueueKind::Quorum)
             .await
             .unwrap();
-        inbox::tools::bind_to_fanout(&channel, queue, exchange)
+        rabbit_inbox::tools::bind_to_fanout(&channel, queue, exchange)
             .await
             .unwrap();
     }
@@ -1811,7 +1823,7 @@ async fn a_messages_keys_reach_its_handler_fault_and_follow_up_as_they_were_sent
         "`ID` read into `id`, the dictionary's keys as sent"
     );
     let fault = env.take(&faults).await.expect("the fault");
-    let decoded = inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
+    let decoded = rabbit_inbox::internal::masstransit::decode(&fault.properties, &fault.data, false).unwrap();
     let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
     assert_eq!(
         body["message"],
@@ -1819,7 +1831,7 @@ async fn a_messages_keys_reach_its_handler_fault_and_follow_up_as_they_were_sent
         "the faulted message as it was sent"
     );
     let copy = env.take(&copies).await.expect("the follow-up");
-    let decoded = inbox::internal::masstransit::decode(&copy.properties, &copy.data, false).unwrap();
+    let decoded = rabbit_inbox::internal::masstransit::decode(&copy.properties, &copy.data, false).unwrap();
     let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
     assert_eq!(
         body,
@@ -1873,10 +1885,10 @@ async fn a_masstransit_endpoint_starts_on_the_queues_the_service_declared_and_mo
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     for (monitor, exchange) in [(&error_monitor, &error_queue), (&skipped_monitor, &skipped_queue)] {
-        inbox::tools::declare_queue(&channel, monitor, inbox::QueueKind::Classic)
+        rabbit_inbox::tools::declare_queue(&channel, monitor, rabbit_inbox::QueueKind::Classic)
             .await
             .unwrap();
-        inbox::tools::bind_to_fanout(&channel, monitor, exchange)
+        rabbit_inbox::tools::bind_to_fanout(&channel, monitor, exchange)
             .await
             .unwrap();
     }
@@ -1974,10 +1986,10 @@ async fn redeliveries_count_as_masstransit_counts_them_and_a_copy_moved_back_sta
         None,
         r#"{"MT-Redelivery-Count": 2}"#,
     );
-    let mut headers = inbox::tools::lapin::types::FieldTable::default();
+    let mut headers = rabbit_inbox::tools::lapin::types::FieldTable::default();
     headers.insert(
         "MT-Redelivery-Count".into(),
-        inbox::tools::lapin::types::AMQPValue::LongInt(2),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongInt(2),
     );
     let properties = BasicProperties::default()
         .with_message_id(id.to_string().into())
@@ -2064,7 +2076,7 @@ async fn faults_go_where_masstransit_sends_them_as_every_type_the_message_declar
         env.another_queue("fault_of_concrete"),
         env.another_queue("replies"),
     );
-    let fault_of = inbox::internal::masstransit::fault_exchange;
+    let fault_of = rabbit_inbox::internal::masstransit::fault_exchange;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     // Exchanges outlive a run that failed before it cleaned up, and their
@@ -2079,10 +2091,10 @@ async fn faults_go_where_masstransit_sends_them_as_every_type_the_message_declar
         (&of_concrete, fault_of(Seated::TYPE)),
         (&replies, replies.clone()),
     ] {
-        inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Classic)
+        rabbit_inbox::tools::declare_queue(&channel, queue, rabbit_inbox::QueueKind::Classic)
             .await
             .unwrap();
-        inbox::tools::bind_to_fanout(&channel, queue, &exchange)
+        rabbit_inbox::tools::bind_to_fanout(&channel, queue, &exchange)
             .await
             .unwrap();
     }
@@ -2127,9 +2139,9 @@ async fn faults_go_where_masstransit_sends_them_as_every_type_the_message_declar
     .await;
     runtime.shutdown().await;
 
-    let read = |delivery: &inbox::tools::lapin::message::Delivery| {
+    let read = |delivery: &rabbit_inbox::tools::lapin::message::Delivery| {
         let decoded =
-            inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
+            rabbit_inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&decoded.message).unwrap();
         (decoded, body)
     };
@@ -2219,7 +2231,7 @@ struct Board;
 
 impl EventHandler<Counted> for Board {
     async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        uow.publish("", &inbox::Message::new(Boarded { key: event.key }))
+        uow.publish("", &rabbit_inbox::Message::new(Boarded { key: event.key }))
             .await?;
         Ok(())
     }
@@ -2241,10 +2253,10 @@ async fn a_publish_reaches_the_consumers_of_the_types_its_contract_implements() 
     for exchange in [Boarded::TYPE, BASE] {
         let _ = channel.exchange_delete(exchange.into(), Default::default()).await;
     }
-    inbox::tools::declare_queue(&channel, &of_base, inbox::QueueKind::Classic)
+    rabbit_inbox::tools::declare_queue(&channel, &of_base, rabbit_inbox::QueueKind::Classic)
         .await
         .unwrap();
-    inbox::tools::bind_to_fanout(&channel, &of_base, BASE)
+    rabbit_inbox::tools::bind_to_fanout(&channel, &of_base, BASE)
         .await
         .unwrap();
     connection.close(200, "declared".into()).await.unwrap();
@@ -2262,7 +2274,7 @@ async fn a_publish_reaches_the_consumers_of_the_types_its_contract_implements() 
     .await;
     runtime
         .publisher()
-        .publish("", &inbox::Message::new(Boarded { key: 2 }))
+        .publish("", &rabbit_inbox::Message::new(Boarded { key: 2 }))
         .await
         .unwrap();
     wait_until("both reach the interface's consumer", || async {
@@ -2273,7 +2285,7 @@ async fn a_publish_reaches_the_consumers_of_the_types_its_contract_implements() 
     let mut keys = Vec::new();
     while let Some(delivery) = env.take(&of_base).await {
         let decoded =
-            inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
+            rabbit_inbox::internal::masstransit::decode(&delivery.properties, &delivery.data, false).unwrap();
         assert_eq!(decoded.context.message_types, [Boarded::TYPE, BASE]);
         let message: Boarded = serde_json::from_slice(&decoded.message).unwrap();
         keys.push(message.key);

@@ -5,9 +5,9 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::proxy::{Proxy, broker_through_proxy, database_through_proxy};
 use crate::support::{
@@ -43,7 +43,7 @@ async fn ready_once_consuming_and_no_longer_while_draining_live_all_along() {
 /// accepts, but stays live; then that it is ready again once the proxy is
 /// restored.
 async fn unready_while_cut_and_live_all_along(
-    settings: inbox::Settings,
+    settings: rabbit_inbox::Settings,
     proxy: &Proxy,
     expected: impl Fn(&[String]) -> bool,
 ) {
@@ -237,9 +237,9 @@ async fn the_metrics_count_each_outcome_by_queue_and_name_every_series() {
 /// Makes `role` (a login without superuser rights, so that its connection
 /// limit holds) with the grants a service needs on `env`'s database and
 /// at most `limit` connections at once.
-async fn limited_role(env: &TestEnv, role: &str, limit: u32) -> inbox::tokio_postgres::Client {
+async fn limited_role(env: &TestEnv, role: &str, limit: u32) -> rabbit_inbox::tokio_postgres::Client {
     let mut admin = env.db().await;
-    inbox::internal::run_migrations(&mut admin).await.unwrap();
+    rabbit_inbox::internal::run_migrations(&mut admin).await.unwrap();
     admin
         .batch_execute(&format!(
             "DO $$ BEGIN
@@ -256,7 +256,7 @@ async fn limited_role(env: &TestEnv, role: &str, limit: u32) -> inbox::tokio_pos
 }
 
 /// `env`'s settings, connecting as `role`.
-fn settings_as(env: &TestEnv, role: &str) -> inbox::Settings {
+fn settings_as(env: &TestEnv, role: &str) -> rabbit_inbox::Settings {
     let mut settings = env.settings();
     let as_postgres = database_url_of(&env.database);
     settings.database.url = as_postgres.replacen("://postgres@", &format!("://{role}@"), 1);
@@ -328,7 +328,7 @@ impl EventHandler<Counted> for CountSlowly {
 }
 
 /// The server's sessions of `role` now.
-async fn sessions_of(admin: &inbox::tokio_postgres::Client, role: &str) -> i64 {
+async fn sessions_of(admin: &rabbit_inbox::tokio_postgres::Client, role: &str) -> i64 {
     admin
         .query_one(
             "SELECT count(*) FROM pg_stat_activity WHERE usename = $1",
@@ -362,8 +362,8 @@ async fn the_connection_limit_comes_down_when_refused_and_grows_back_when_the_se
     // Other sessions of the role hold all its connections but one.
     let mut others = Vec::new();
     for _ in 0..LIMIT - 1 {
-        let config: inbox::tokio_postgres::Config = settings.database.url.parse().unwrap();
-        let (client, connection) = config.connect(inbox::tokio_postgres::NoTls).await.unwrap();
+        let config: rabbit_inbox::tokio_postgres::Config = settings.database.url.parse().unwrap();
+        let (client, connection) = config.connect(rabbit_inbox::tokio_postgres::NoTls).await.unwrap();
         actix_rt::spawn(connection);
         others.push(client);
     }
@@ -446,9 +446,9 @@ async fn a_connection_refused_for_want_of_slots_names_pool_size() {
     let admin = limited_role(&env, role, 1).await;
     let mut settings = settings_as(&env, role);
     settings.database.connect_timeout = Duration::from_secs(1);
-    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
     let only = pool.get().await.unwrap();
-    let Err(refused) = inbox::tools::wait_for_database(&pool, &settings).await else {
+    let Err(refused) = rabbit_inbox::tools::wait_for_database(&pool, &settings).await else {
         panic!("a second connection beyond the role's limit");
     };
     let refused = refused.to_string();

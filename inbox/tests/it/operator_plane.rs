@@ -9,9 +9,9 @@ use std::time::{Duration, SystemTime};
 
 use actix_web::http::StatusCode;
 use actix_web::test::{self, TestRequest};
-use inbox::ops::access::Access;
-use inbox::ops::{Filter, Operations, Operator, Role, Selection};
-use inbox::{EventHandler, HandlerError, Message, Permanent, Runtime, Settings, UnitOfWork};
+use rabbit_inbox::ops::access::Access;
+use rabbit_inbox::ops::{Filter, Operations, Operator, Role, Selection};
+use rabbit_inbox::{EventHandler, HandlerError, Message, Permanent, Runtime, Settings, UnitOfWork};
 use uuid::Uuid;
 
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
@@ -118,8 +118,8 @@ async fn every_endpoint_answers_401_without_a_token_403_to_a_role_that_may_not_a
     // The operations outside a runtime (as a command line has them): no
     // instance runs the jobs, so each stays as its caller left it.
     let settings = operations_settings(&env);
-    let ops = Operations::new(inbox::tools::create_pool(&settings).unwrap(), &settings);
-    let app = test::init_service(actix_web::App::new().service(inbox::ops::http::scope(
+    let ops = Operations::new(rabbit_inbox::tools::create_pool(&settings).unwrap(), &settings);
+    let app = test::init_service(actix_web::App::new().service(rabbit_inbox::ops::http::scope(
         "/ops",
         ops.clone(),
         access(),
@@ -297,7 +297,7 @@ async fn every_endpoint_answers_401_without_a_token_403_to_a_role_that_may_not_a
         .unwrap();
     let refused = ops.cancel_job(&otto, ada_job.id).await;
     assert!(
-        matches!(refused, Err(inbox::ops::OpsError::Forbidden(_))),
+        matches!(refused, Err(rabbit_inbox::ops::OpsError::Forbidden(_))),
         "{refused:?}"
     );
     let cancelled = ops
@@ -369,7 +369,7 @@ async fn a_redrive_applies_each_effect_once_and_of_two_racing_for_a_message_one_
         assert_eq!(env.count("counts", key).await, 1, "key {key} applied once");
     }
     assert_eq!(status_counts(&env).await, vec![("redriven".to_owned(), 40)]);
-    assert_eq!(env.ready(&inbox::tools::error_queue(&env.queue)).await, 0);
+    assert_eq!(env.ready(&rabbit_inbox::tools::error_queue(&env.queue)).await, 0);
     // Redriven under its own id: the inbox knows each.
     for id in &ids {
         let known = env
@@ -547,12 +547,14 @@ async fn discarded_failures_leave_the_open_list_until_restored_and_retention_kee
         .await
         .unwrap();
     let settings = operations_settings(&env);
-    let pool = inbox::tools::create_pool(&settings).unwrap();
-    inbox::internal::sweep_keeping_failures(&pool, &settings.retention)
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    rabbit_inbox::internal::sweep_keeping_failures(&pool, &settings.retention)
         .await
         .unwrap();
     assert_eq!(status_counts(&env).await, vec![("open".to_owned(), 1)]);
-    inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
+    rabbit_inbox::internal::sweep(&pool, &settings.retention)
+        .await
+        .unwrap();
     assert_eq!(
         status_counts(&env).await,
         Vec::<(String, i64)>::new(),
@@ -676,7 +678,7 @@ async fn a_dead_outbox_row_is_a_failure_from_the_moment_it_is_parked_and_a_redri
     // The cause is fixed (the queue exists), and the row is redriven.
     let connection = crate::support::amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    let durable = inbox::tools::lapin::options::QueueDeclareOptions {
+    let durable = rabbit_inbox::tools::lapin::options::QueueDeclareOptions {
         durable: true,
         ..Default::default()
     };
@@ -716,7 +718,7 @@ async fn a_dead_outbox_row_is_a_failure_from_the_moment_it_is_parked_and_a_redri
 
 #[actix_rt::test]
 async fn a_redriven_copy_has_its_id_properties_and_headers_and_none_of_its_failure() {
-    use inbox::tools::lapin::types::{AMQPValue, FieldTable};
+    use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
     let env = TestEnv::new("ops_redriven_copy").await;
     let handler = RefuseUntilFixed::default();
     let runtime = Runtime::builder(operations_settings(&env).valid())
@@ -728,7 +730,7 @@ async fn a_redriven_copy_has_its_id_properties_and_headers_and_none_of_its_failu
     let mut headers = FieldTable::default();
     headers.insert("tenant".into(), AMQPValue::LongString("acme".into()));
     headers.insert("priority-class".into(), AMQPValue::LongLongInt(3));
-    let properties = inbox::tools::lapin::BasicProperties::default()
+    let properties = rabbit_inbox::tools::lapin::BasicProperties::default()
         .with_message_id(id.to_string().into())
         .with_type("Counted".into())
         .with_content_type("application/json".into())

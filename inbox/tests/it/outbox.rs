@@ -5,10 +5,10 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::tools::lapin::options::BasicGetOptions;
-use inbox::tools::lapin::types::FieldTable;
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::tools::lapin::options::BasicGetOptions;
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{Counted, TestEnv, Valid, amqp, increment, publish_keys, wait_until};
 
@@ -39,7 +39,7 @@ impl EventHandler<Counted> for CountAndForward {
 pub(crate) async fn declare_queue(queue: &str) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::tools::declare_queue(&channel, queue, inbox::QueueKind::Quorum)
+    rabbit_inbox::tools::declare_queue(&channel, queue, rabbit_inbox::QueueKind::Quorum)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
@@ -55,7 +55,7 @@ pub(crate) async fn with_forward_queue(name: &str) -> (TestEnv, String) {
 }
 
 /// A runtime whose handler counts and forwards each event to `forward`.
-async fn forwarding(settings: inbox::Settings, forward: &str) -> Runtime {
+async fn forwarding(settings: rabbit_inbox::Settings, forward: &str) -> Runtime {
     Runtime::builder(settings.valid())
         .handler(CountAndForward {
             forward: forward.to_owned(),
@@ -230,7 +230,9 @@ async fn an_unroutable_row_is_parked_dead_after_its_attempts_and_the_others_flow
     // The cause is fixed: the queue exists now. The dead row gets another
     // round of attempts and leaves.
     declare_queue(&nowhere).await;
-    let revived = inbox::tools::retry_dead(runtime.pool(), None).await.unwrap();
+    let revived = rabbit_inbox::tools::retry_dead(runtime.pool(), None)
+        .await
+        .unwrap();
     assert_eq!(revived, 1);
     wait_until("the revived row arrives", || async {
         env.ready(&nowhere).await == 1
@@ -346,7 +348,11 @@ async fn a_nested_scope_rolled_back_or_dropped_takes_its_staged_messages_with_it
 /// Starts a runtime, changes `outbox_messages` with `ddl`, then commits a
 /// write with a follow-up to each of `routing_keys`: the commit must fail
 /// and commit nothing. Returns the runtime and the commit's error.
-async fn a_commit_refused_after(env: &TestEnv, ddl: &str, routing_keys: &[&str]) -> (Runtime, inbox::Error) {
+async fn a_commit_refused_after(
+    env: &TestEnv,
+    ddl: &str,
+    routing_keys: &[&str],
+) -> (Runtime, rabbit_inbox::Error) {
     let runtime = counting(env).await;
     env.db().await.batch_execute(ddl).await.unwrap();
     let mut uow = runtime.unit_of_work().await.unwrap();
@@ -406,7 +412,10 @@ async fn a_staged_row_refused_before_it_is_sent_lets_nothing_commit() {
         &[&forward],
     )
     .await;
-    assert!(inbox::internal::describe(&refused).contains("uuid"), "{refused}");
+    assert!(
+        rabbit_inbox::internal::describe(&refused).contains("uuid"),
+        "{refused}"
+    );
     runtime.shutdown().await;
 }
 
@@ -470,11 +479,11 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
     let (first, second) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     let mut flow = FieldTable::default();
     flow.insert(
-        inbox::internal::CORRELATION_ID.into(),
-        inbox::tools::lapin::types::AMQPValue::LongString("flow-1".into()),
+        rabbit_inbox::internal::CORRELATION_ID.into(),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongString("flow-1".into()),
     );
     let with = |id: uuid::Uuid, headers: FieldTable| {
-        inbox::tools::lapin::BasicProperties::default()
+        rabbit_inbox::tools::lapin::BasicProperties::default()
             .with_message_id(id.to_string().into())
             .with_type("Counted".into())
             .with_headers(headers)
@@ -504,8 +513,11 @@ async fn a_follow_up_carries_the_correlation_id_and_its_cause() {
             (second, second.to_string())
         };
         let header = |key| crate::support::header(&copy, key);
-        assert_eq!(header(inbox::internal::CAUSATION_ID), Some(cause.to_string()));
-        assert_eq!(header(inbox::internal::CORRELATION_ID), Some(correlation));
+        assert_eq!(
+            header(rabbit_inbox::internal::CAUSATION_ID),
+            Some(cause.to_string())
+        );
+        assert_eq!(header(rabbit_inbox::internal::CORRELATION_ID), Some(correlation));
     }
     connection.close(200, "done".into()).await.unwrap();
 }
@@ -515,7 +527,7 @@ async fn in_process_a_staged_message_reaches_the_handlers_after_the_commit_never
     for enable_outbox in [None, Some(true)] {
         let env = TestEnv::new("outbox_in_process").await;
         let mut settings = env.settings();
-        settings.message_bus.provider = inbox::Provider::InProcess;
+        settings.message_bus.provider = rabbit_inbox::Provider::InProcess;
         settings.message_bus.enable_outbox = enable_outbox;
         let runtime = Runtime::builder(settings.valid())
             .handler(crate::support::Count)
@@ -581,8 +593,8 @@ async fn with_the_outbox_off_a_broker_host_warns_and_publishes_right_after_the_c
 async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
     let env = TestEnv::new("outbox_retention").await;
     let settings = env.settings();
-    let pool = inbox::tools::create_pool(&settings).unwrap();
-    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    rabbit_inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     env.db()
@@ -595,7 +607,9 @@ async fn retention_sweeps_dead_rows_past_retention_days_and_nothing_else() {
         )
         .await
         .unwrap();
-    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
+    let report = rabbit_inbox::internal::sweep(&pool, &settings.retention)
+        .await
+        .unwrap();
     assert_eq!(report.rows, 1, "{report:?}");
     let left = env
         .scalar("SELECT count(*) FROM outbox_messages WHERE dead_at IS NULL OR dead_at > now() - interval '2 days'")
@@ -735,14 +749,14 @@ async fn a_runtimes_own_commits_wake_its_dispatcher_in_process_without_notifying
     let (client, mut connection) = settings
         .pg_config()
         .unwrap()
-        .connect(inbox::tokio_postgres::NoTls)
+        .connect(rabbit_inbox::tokio_postgres::NoTls)
         .await
         .unwrap();
     let (notified, mut notifications) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(Ok(message)) = futures_util::StreamExt::next(&mut messages).await {
-            if let inbox::tokio_postgres::AsyncMessage::Notification(_) = message {
+            if let rabbit_inbox::tokio_postgres::AsyncMessage::Notification(_) = message {
                 let _ = notified.send(());
             }
         }
@@ -807,7 +821,7 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
     let (env, forward) = with_forward_queue("outbox_big_headers").await;
     let mut settings = env.settings();
     settings.outbox.max_attempts = 1;
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     // Claimed first, in the same round as the others.
@@ -848,8 +862,8 @@ async fn a_row_whose_headers_pass_a_frame_is_parked_and_the_rest_of_its_round_fl
 #[actix_rt::test]
 async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
     let env = TestEnv::new("outbox_backlog_sample").await;
-    let pool = inbox::tools::create_pool(&env.settings()).unwrap();
-    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
+    let pool = rabbit_inbox::tools::create_pool(&env.settings()).unwrap();
+    rabbit_inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     env.db()
@@ -863,7 +877,7 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
         )
         .await
         .unwrap();
-    let backlog = inbox::internal::outbox::backlog(&pool).await.unwrap();
+    let backlog = rabbit_inbox::internal::outbox::backlog(&pool).await.unwrap();
     assert_eq!((backlog.pending, backlog.dead), (3, 2));
     let oldest = backlog.oldest_pending.expect("rows are pending");
     assert!(
@@ -881,7 +895,7 @@ async fn the_backlog_sample_counts_pending_and_dead_rows_apart() {
         )
         .await
         .unwrap();
-    let backlog = inbox::internal::outbox::backlog(&pool).await.unwrap();
+    let backlog = rabbit_inbox::internal::outbox::backlog(&pool).await.unwrap();
     assert_eq!(backlog.pending, 4);
     assert_eq!(backlog.oldest_pending, Some(std::time::Duration::MAX));
     pool.close();
@@ -895,11 +909,11 @@ struct HeldSink {
     sent: std::sync::Arc<std::sync::Mutex<Vec<uuid::Uuid>>>,
 }
 
-impl inbox::internal::Sink for HeldSink {
+impl rabbit_inbox::internal::Sink for HeldSink {
     fn send<'a>(
         &'a self,
-        outgoing: &'a inbox::internal::Outgoing,
-    ) -> futures_util::future::BoxFuture<'a, inbox::Result<()>> {
+        outgoing: &'a rabbit_inbox::internal::Outgoing,
+    ) -> futures_util::future::BoxFuture<'a, rabbit_inbox::Result<()>> {
         Box::pin(async move {
             while !self.open.load(std::sync::atomic::Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -919,15 +933,15 @@ async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_el
     // Two seconds: a renewal late by a second on a loaded machine (the
     // suite runs its tests in parallel) must not let the lease lapse.
     settings.outbox.claim_lease = Duration::from_secs(2);
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     for key in 0..3 {
         stage_from_another_session(&env, "nowhere", key).await;
     }
-    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
-    let dispatching = inbox::internal::dispatch(&pool, &held, &settings.outbox, 0);
+    let dispatching = rabbit_inbox::internal::dispatch(&pool, &held, &settings.outbox, 0);
     // Two leases long: the round renews its own.
     let report = watched_while_held(&env, &settings, &held, dispatching, Duration::from_secs(4), 3).await;
     assert_eq!((report.claimed, report.dispatched), (3, 3));
@@ -940,7 +954,7 @@ async fn a_round_keeps_no_transaction_open_while_its_publish_waits_and_no_one_el
 async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
     let (env, forward) = with_forward_queue("documented_grants").await;
     let mut admin = env.db().await;
-    inbox::internal::run_migrations(&mut admin).await.unwrap();
+    rabbit_inbox::internal::run_migrations(&mut admin).await.unwrap();
     let role = "inbox_test_documented_grants";
     admin
         .batch_execute(&format!(
@@ -989,13 +1003,13 @@ async fn a_user_with_only_the_documented_grants_consumes_and_forwards() {
 /// Returns what `dispatching` returned.
 async fn watched_while_held<T>(
     env: &TestEnv,
-    settings: &inbox::Settings,
+    settings: &rabbit_inbox::Settings,
     held: &HeldSink,
-    dispatching: impl std::future::Future<Output = inbox::Result<T>>,
+    dispatching: impl std::future::Future<Output = rabbit_inbox::Result<T>>,
     for_how_long: Duration,
     rows: usize,
 ) -> T {
-    let others = inbox::tools::create_pool(settings).unwrap();
+    let others = rabbit_inbox::tools::create_pool(settings).unwrap();
     let watching = async {
         let until = std::time::Instant::now() + for_how_long;
         let mut other_claims = 0;
@@ -1015,7 +1029,7 @@ async fn watched_while_held<T>(
                 open: std::sync::Arc::new(true.into()),
                 ..HeldSink::default()
             };
-            let report = inbox::internal::dispatch(&others, &other, &settings.outbox, 0)
+            let report = rabbit_inbox::internal::dispatch(&others, &other, &settings.outbox, 0)
                 .await
                 .unwrap();
             other_claims += report.claimed;
@@ -1041,12 +1055,12 @@ async fn watched_while_held<T>(
 /// A lease of four seconds: renewed every 1.3 s, it holds on a machine
 /// loaded by the suite's other tests (a renewal can be a second late);
 /// unrenewed, it lapses well within the test's ten seconds.
-async fn leased_outbox(name: &str, batch_size: u32, rows: i64) -> (TestEnv, inbox::Settings) {
+async fn leased_outbox(name: &str, batch_size: u32, rows: i64) -> (TestEnv, rabbit_inbox::Settings) {
     let env = TestEnv::new(name).await;
     let mut settings = env.settings();
     settings.outbox.claim_lease = Duration::from_secs(4);
     settings.outbox.batch_size = batch_size;
-    inbox::internal::run_migrations(&mut env.db().await)
+    rabbit_inbox::internal::run_migrations(&mut env.db().await)
         .await
         .unwrap();
     for key in 0..rows {
@@ -1060,19 +1074,19 @@ async fn a_drain_keeps_the_lease_of_the_round_it_claimed_while_another_publishes
     // Two rounds: the second is claimed while the first waits for the
     // broker, two and a half leases long.
     let (env, settings) = leased_outbox("outbox_lease_pipelined", 2, 4).await;
-    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
-    let draining = inbox::internal::drain_outbox(&pool, &held, &settings.outbox);
+    let draining = rabbit_inbox::internal::drain_outbox(&pool, &held, &settings.outbox);
     watched_while_held(&env, &settings, &held, draining, Duration::from_secs(10), 4).await;
 }
 
 #[actix_rt::test]
 async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
     let (env, settings) = leased_outbox("outbox_lease_lost_answer", 100, 3).await;
-    let pool = inbox::tools::create_pool(&settings).unwrap();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
     let held = HeldSink::default();
     let dispatching = async {
-        inbox::internal::dispatch(&pool, &held, &settings.outbox, 0)
+        rabbit_inbox::internal::dispatch(&pool, &held, &settings.outbox, 0)
             .await
             .map(drop)
     };

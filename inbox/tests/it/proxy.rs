@@ -157,7 +157,7 @@ impl Drop for Proxy {
 
 /// Points `settings` at PostgreSQL through a proxy the test can break, with
 /// a one-second connect timeout.
-pub(crate) async fn database_through_proxy(settings: &mut inbox::Settings) -> Proxy {
+pub(crate) async fn database_through_proxy(settings: &mut rabbit_inbox::Settings) -> Proxy {
     let real = settings.pg_config().unwrap();
     let port = real.get_ports().first().copied().unwrap_or(5432);
     let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
@@ -171,7 +171,7 @@ pub(crate) async fn database_through_proxy(settings: &mut inbox::Settings) -> Pr
 /// Points `settings` at RabbitMQ through a proxy the test can break, with
 /// two-second heartbeats (what notices a silent broker) and a two-second
 /// connect timeout.
-pub(crate) async fn broker_through_proxy(settings: &mut inbox::Settings) -> Proxy {
+pub(crate) async fn broker_through_proxy(settings: &mut rabbit_inbox::Settings) -> Proxy {
     let proxy = Proxy::start(([127, 0, 0, 1], 5672).into()).await;
     settings.message_bus.amqp_urls = vec![format!(
         "amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",

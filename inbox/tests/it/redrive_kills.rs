@@ -6,8 +6,8 @@
 use std::process::Child;
 use std::time::Duration;
 
-use inbox::ops::{Filter, Operations, Operator, Role, Selection};
-use inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::ops::{Filter, Operations, Operator, Role, Selection};
+use rabbit_inbox::tools::lapin::BasicProperties;
 use uuid::Uuid;
 
 use crate::support::{TestEnv, free_port, publish_to, start_ops_service, wait_until};
@@ -86,8 +86,8 @@ async fn a_redrive_under_two_competing_instances_and_their_kills_applies_each_ef
     })
     .await;
     let mut settings = env.settings();
-    settings.queues = vec![inbox::QueueSettings::new(&env.queue)];
-    let ops = Operations::new(inbox::tools::create_pool(&settings).unwrap(), &settings);
+    settings.queues = vec![rabbit_inbox::QueueSettings::new(&env.queue)];
+    let ops = Operations::new(rabbit_inbox::tools::create_pool(&settings).unwrap(), &settings);
     let job = ops
         .redrive(
             &Operator::new("ops", Role::Operator),
@@ -156,7 +156,7 @@ async fn a_redrive_under_two_competing_instances_and_their_kills_applies_each_ef
             .await,
         CHECKINS
     );
-    assert_eq!(env.ready(&inbox::tools::error_queue(&env.queue)).await, 0);
+    assert_eq!(env.ready(&rabbit_inbox::tools::error_queue(&env.queue)).await, 0);
     drop((first, second));
     let _ = std::fs::remove_file(&tokens);
 }

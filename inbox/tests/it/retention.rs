@@ -1,7 +1,7 @@
 use std::time::Duration;
 
-use inbox::Message;
-use inbox::{Runtime, Sweep};
+use rabbit_inbox::Message;
+use rabbit_inbox::{Runtime, Sweep};
 
 use crate::support::{Count, Counted, TestEnv, Valid, wait_until};
 
@@ -82,10 +82,10 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     let settings = env.settings();
     // Each instance has its own pool, as two processes would.
     let (first, second) = (
-        inbox::tools::create_pool(&settings).unwrap(),
-        inbox::tools::create_pool(&settings).unwrap(),
+        rabbit_inbox::tools::create_pool(&settings).unwrap(),
+        rabbit_inbox::tools::create_pool(&settings).unwrap(),
     );
-    inbox::internal::run_migrations(&mut first.get().await.unwrap())
+    rabbit_inbox::internal::run_migrations(&mut first.get().await.unwrap())
         .await
         .unwrap();
     let mut retention = settings.retention.clone();
@@ -93,8 +93,8 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     for round in 0..5 {
         backdated_rows(&env, "expired", 5000, 8).await;
         let (a, b) = tokio::join!(
-            inbox::internal::sweep(&first, &retention),
-            inbox::internal::sweep(&second, &retention)
+            rabbit_inbox::internal::sweep(&first, &retention),
+            rabbit_inbox::internal::sweep(&second, &retention)
         );
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!(a.rows + b.rows, 5000, "round {round}: {a:?} {b:?}");
@@ -107,11 +107,20 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
     // The lock is not left behind: each can sweep alone afterwards.
     backdated_rows(&env, "expired", 10, 8).await;
     assert_eq!(
-        inbox::internal::sweep(&second, &retention).await.unwrap().rows,
+        rabbit_inbox::internal::sweep(&second, &retention)
+            .await
+            .unwrap()
+            .rows,
         10
     );
     backdated_rows(&env, "expired", 10, 8).await;
-    assert_eq!(inbox::internal::sweep(&first, &retention).await.unwrap().rows, 10);
+    assert_eq!(
+        rabbit_inbox::internal::sweep(&first, &retention)
+            .await
+            .unwrap()
+            .rows,
+        10
+    );
 }
 
 #[actix_rt::test]
@@ -180,13 +189,15 @@ async fn a_backlog_of_200000_due_rows_goes_in_bounded_batches() {
 async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
     let env = TestEnv::new("retention_sample").await;
     let settings = env.settings();
-    let pool = inbox::tools::create_pool(&settings).unwrap();
-    inbox::internal::run_migrations(&mut pool.get().await.unwrap())
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    rabbit_inbox::internal::run_migrations(&mut pool.get().await.unwrap())
         .await
         .unwrap();
     backdated_rows(&env, "expired", 40, 8).await;
     backdated_rows(&env, "recent", 25, 2).await;
-    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
+    let report = rabbit_inbox::internal::sweep(&pool, &settings.retention)
+        .await
+        .unwrap();
     assert_eq!(report.rows, 40);
     // Never analyzed: counted exactly.
     assert_eq!(report.inbox_rows, 25);
@@ -201,7 +212,9 @@ async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
         .batch_execute("ANALYZE inbox_messages")
         .await
         .unwrap();
-    let report = inbox::internal::sweep(&pool, &settings.retention).await.unwrap();
+    let report = rabbit_inbox::internal::sweep(&pool, &settings.retention)
+        .await
+        .unwrap();
     assert_eq!(report.inbox_rows, 25);
     pool.close();
 }

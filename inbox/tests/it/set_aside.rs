@@ -5,13 +5,13 @@
 
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::Wire;
-use inbox::internal::fault::headers;
-use inbox::tools::SetAside;
-use inbox::tools::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use inbox::tools::lapin::uri::{AMQPUri, AMQPUserInfo};
-use inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::Wire;
+use rabbit_inbox::internal::fault::headers;
+use rabbit_inbox::tools::SetAside;
+use rabbit_inbox::tools::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use rabbit_inbox::tools::lapin::uri::{AMQPUri, AMQPUserInfo};
+use rabbit_inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
 use uuid::Uuid;
 
 use crate::support::{
@@ -41,7 +41,7 @@ fn unknown() -> BasicProperties {
 
 /// Waits past the producer's TTL, then takes the one message of `queue`: a
 /// queue drops an expired message at the latest when it would deliver it.
-async fn take_after_the_ttl(env: &TestEnv, queue: &str) -> inbox::tools::lapin::message::Delivery {
+async fn take_after_the_ttl(env: &TestEnv, queue: &str) -> rabbit_inbox::tools::lapin::message::Delivery {
     // A fixed wait, on purpose: what is asserted is that nothing expires.
     tokio::time::sleep(Duration::from_millis(TTL_MILLIS * 3)).await;
     env.take(queue)
@@ -97,7 +97,7 @@ async fn a_copy_set_aside_on_the_masstransit_wire_outlives_its_producers_ttl() {
     // Not an envelope: malformed on this wire.
     let properties = BasicProperties::default()
         .with_message_id(Uuid::now_v7().to_string().into())
-        .with_content_type(inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
+        .with_content_type(rabbit_inbox::internal::masstransit::ENVELOPE_CONTENT_TYPE.into())
         .with_expiration(ttl.as_str().into());
     env.publish_raw(properties, b"not an envelope").await;
     wait_until("it is set aside", || async { runtime.stats().rejected == 1 }).await;
@@ -208,7 +208,7 @@ async fn a_message_carrying_its_producers_user_id_is_set_aside_at_once_and_repla
         .publish(&Wire::Inbox.error_queue(&env.queue), good, br#"{"key": 2}"#)
         .await;
     let connection = amqp().await;
-    let report = inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
+    let report = rabbit_inbox::tools::replay(&connection, &env.queue, SetAside::Error, None)
         .await
         .expect("the replay publishes as itself");
     assert_eq!(report.replayed, 1);

@@ -2,8 +2,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
 use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 

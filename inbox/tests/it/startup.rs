@@ -3,12 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use inbox::Runtime;
-use inbox::tools::AmqpPublisher;
-use inbox::tools::lapin::ExchangeKind;
-use inbox::tools::lapin::options::ExchangeDeclareOptions;
-use inbox::tools::lapin::types::FieldTable;
-use inbox::{Message, Settings};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::tools::AmqpPublisher;
+use rabbit_inbox::tools::lapin::ExchangeKind;
+use rabbit_inbox::tools::lapin::options::ExchangeDeclareOptions;
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::{Message, Settings};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, amqp, declare, wait_until};
 
@@ -76,7 +76,7 @@ async fn with_several_brokers_a_node_that_is_down_is_passed_over_for_the_next() 
         .unwrap();
     runtime
         .publisher()
-        .publish(&env.queue, &inbox::Message::new(Counted { key: 1 }))
+        .publish(&env.queue, &rabbit_inbox::Message::new(Counted { key: 1 }))
         .await
         .unwrap();
     wait_until("the message completes", || async {
@@ -157,10 +157,10 @@ async fn the_settings_files_read_are_logged_and_a_folder_without_any_warns() {
     let _capturing = logs.install();
     let dir = std::env::temp_dir().join(format!("inbox-startup-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(&dir).unwrap();
-    inbox::internal::load_settings(&dir, None).unwrap();
+    rabbit_inbox::internal::load_settings(&dir, None).unwrap();
     assert!(logs.text().contains("no settings file found"), "{}", logs.text());
     std::fs::write(dir.join("default.toml"), "[[queues]]\nname = \"orders\"\n").unwrap();
-    let settings = inbox::internal::load_settings(&dir, None).unwrap();
+    let settings = rabbit_inbox::internal::load_settings(&dir, None).unwrap();
     assert_eq!(settings.queues[0].name, "orders");
     let text = logs.text();
     assert!(
@@ -180,7 +180,7 @@ async fn a_settings_file_of_an_earlier_version_is_refused_naming_its_old_key() {
         "[message_bus]\namqp_url = \"amqp://guest:guest@rabbit:5672/%2f\"\n",
     )
     .unwrap();
-    let error = inbox::internal::load_settings(&dir, None)
+    let error = rabbit_inbox::internal::load_settings(&dir, None)
         .unwrap_err()
         .to_string();
     std::fs::remove_dir_all(&dir).unwrap();

@@ -6,14 +6,14 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox::tokio_postgres::{Client, NoTls};
-use inbox::tools::lapin::message::Delivery;
-use inbox::tools::lapin::options::{
+use rabbit_inbox::tokio_postgres::{Client, NoTls};
+use rabbit_inbox::tools::lapin::message::Delivery;
+use rabbit_inbox::tools::lapin::options::{
     BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use inbox::tools::lapin::types::FieldTable;
-use inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
-use inbox::{
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
+use rabbit_inbox::{
     EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
 };
 use serde::{Deserialize, Serialize};
@@ -61,7 +61,7 @@ fn database_url() -> String {
 /// The URL of database `name` on the tests' server: what a service's
 /// `database.url` says to use it.
 pub(crate) fn database_url_of(name: &str) -> String {
-    let mut database = inbox::settings::DatabaseSettings::default();
+    let mut database = rabbit_inbox::settings::DatabaseSettings::default();
     database.url = database_url();
     database.set_dbname(name).expect("DATABASE_URL");
     database.url
@@ -72,7 +72,7 @@ pub(crate) fn amqp_url() -> String {
 }
 
 async fn connect(url: &str, dbname: Option<&str>) -> Client {
-    let mut config: inbox::tokio_postgres::Config = url.parse().expect("DATABASE_URL");
+    let mut config: rabbit_inbox::tokio_postgres::Config = url.parse().expect("DATABASE_URL");
     if let Some(name) = dbname {
         config.dbname(name);
     }
@@ -121,7 +121,7 @@ impl TestEnv {
     /// `config/test.toml` pointed at this test's database and queue.
     pub(crate) fn settings(&self) -> Settings {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
-        let mut settings = inbox::internal::load_settings(&dir, Some("test"))
+        let mut settings = rabbit_inbox::internal::load_settings(&dir, Some("test"))
             .expect("config/test.toml")
             .into_inner();
         settings.database.url = database_url_of(&self.database);
@@ -186,7 +186,7 @@ impl TestEnv {
 }
 
 /// `queue` as the broker sees it (a passive declare), if it exists.
-async fn probe(queue: &str) -> Option<inbox::tools::lapin::Queue> {
+async fn probe(queue: &str) -> Option<rabbit_inbox::tools::lapin::Queue> {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let options = QueueDeclareOptions {
@@ -215,12 +215,12 @@ impl Drop for TestEnv {
         // exchange of its name too.
         let mut exchanges = Vec::new();
         for queue in std::iter::once(&self.queue).chain(&self.extra_queues) {
-            for wire in [inbox::Wire::Inbox, inbox::Wire::Masstransit] {
+            for wire in [rabbit_inbox::Wire::Inbox, rabbit_inbox::Wire::Masstransit] {
                 queues.extend((1..=MAX_TIERS).map(|tier| wire.retry_queue(queue, tier)));
                 queues.extend([wire.error_queue(queue), wire.skipped_queue(queue)]);
             }
             queues.push(queue.clone());
-            let wire = inbox::Wire::Masstransit;
+            let wire = rabbit_inbox::Wire::Masstransit;
             exchanges.extend([queue.clone(), wire.error_queue(queue), wire.skipped_queue(queue)]);
         }
         // Drop cannot await, and may run while a test panics: clean up on a
@@ -289,7 +289,7 @@ pub(crate) async fn amqp() -> Arc<Connection> {
 
 /// A header of `delivery` as text (strings) or its debug form (others).
 pub(crate) fn header(delivery: &Delivery, key: &str) -> Option<String> {
-    use inbox::tools::lapin::types::AMQPValue;
+    use rabbit_inbox::tools::lapin::types::AMQPValue;
     let value = delivery.properties.headers().as_ref()?.inner().get(key)?.clone();
     Some(match value {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
@@ -310,11 +310,15 @@ impl Valid for Settings {
 }
 
 /// Publishes one new message per key, in order, through the runtime.
-pub(crate) async fn publish_keys(runtime: &inbox::Runtime, queue: &str, keys: impl IntoIterator<Item = i64>) {
+pub(crate) async fn publish_keys(
+    runtime: &rabbit_inbox::Runtime,
+    queue: &str,
+    keys: impl IntoIterator<Item = i64>,
+) {
     for key in keys {
         runtime
             .publisher()
-            .publish(queue, &inbox::Message::new(Counted { key }))
+            .publish(queue, &rabbit_inbox::Message::new(Counted { key }))
             .await
             .unwrap();
     }
@@ -325,7 +329,7 @@ pub(crate) async fn publish_keys(runtime: &inbox::Runtime, queue: &str, keys: im
 pub(crate) async fn declare(settings: &Settings) {
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
-    inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
+    rabbit_inbox::tools::declare_topology(&channel, &settings.queues[0], &settings.failure)
         .await
         .unwrap();
     connection.close(200, "done".into()).await.unwrap();
@@ -515,7 +519,7 @@ pub(crate) fn consumes(child: &mut std::process::Child) -> (bool, String) {
 /// a consumer that crashed on it would: its next delivery is marked
 /// redelivered.
 pub(crate) async fn crash_once_on(queue: &str) {
-    use inbox::tools::lapin::options::BasicNackOptions;
+    use rabbit_inbox::tools::lapin::options::BasicNackOptions;
     let connection = amqp().await;
     let channel = connection.create_channel().await.unwrap();
     let got = channel
@@ -535,10 +539,10 @@ pub(crate) async fn crash_once_on(queue: &str) {
 /// runtime counts them, `deliveries` deliveries of `message_id` on the
 /// queue of `settings` (its consumer id).
 pub(crate) async fn delivered_before(settings: &Settings, message_id: uuid::Uuid, deliveries: i32) {
-    let pool = inbox::tools::create_pool(settings).unwrap();
+    let pool = rabbit_inbox::tools::create_pool(settings).unwrap();
     let mut client = pool.get().await.unwrap();
     let lock_wait = settings.database.migration_lock_timeout;
-    inbox::tools::migrate(&mut client, true, &[], lock_wait)
+    rabbit_inbox::tools::migrate(&mut client, true, &[], lock_wait)
         .await
         .unwrap();
     client

@@ -10,11 +10,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use inbox::Runtime;
-use inbox::tokio_postgres::Client;
-use inbox::tools::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use inbox::tools::lapin::types::FieldTable;
-use inbox::{EventHandler, HandlerError, Message, QueueSettings, Settings, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::tokio_postgres::Client;
+use rabbit_inbox::tools::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use rabbit_inbox::tools::lapin::types::FieldTable;
+use rabbit_inbox::{EventHandler, HandlerError, Message, QueueSettings, Settings, UnitOfWork};
 
 use crate::support::{Captured, Counted, Valid, increment, wait_until};
 
@@ -91,7 +91,7 @@ async fn connect(url: &str) -> Result<Client, String> {
     let mut settings = Settings::default();
     settings.database.url = url.into();
     let config = settings.pg_config().map_err(|e| e.to_string())?;
-    let tls = inbox::internal::pg_tls(&settings).map_err(|e| e.to_string())?;
+    let tls = rabbit_inbox::internal::pg_tls(&settings).map_err(|e| e.to_string())?;
     let (client, connection) = config.connect(tls).await.map_err(|e| chain(&e))?;
     tokio::spawn(connection);
     Ok(client)
@@ -174,7 +174,7 @@ async fn verify_full_consumes_records_and_forwards_over_tls_on_both_connections(
     settings.database.url = servers.verified(name);
     settings.message_bus.amqp_urls = vec![servers.amqps_url("localhost", "")];
     settings.queues = vec![QueueSettings::new(&queue)];
-    let connection = inbox::tools::connect(&settings, "tls test").await.unwrap();
+    let connection = rabbit_inbox::tools::connect(&settings, "tls test").await.unwrap();
     let channel = connection.create_channel().await.unwrap();
     let options = QueueDeclareOptions {
         durable: true,
@@ -268,7 +268,7 @@ async fn verify_full_consumes_records_and_forwards_over_tls_on_both_connections(
 }
 
 /// Deletes `queues` and the queues the runtime keeps beside each.
-async fn delete_queues(channel: &inbox::tools::lapin::Channel, queues: &[String]) {
+async fn delete_queues(channel: &rabbit_inbox::tools::lapin::Channel, queues: &[String]) {
     for queue in queues {
         let kept = [".error", ".skipped", ".retry.1", ".retry.2", ".retry.3"];
         for name in std::iter::once(queue.clone()).chain(kept.iter().map(|k| format!("{queue}{k}"))) {
@@ -432,7 +432,9 @@ async fn a_client_certificate_logs_in_to_postgresql_and_to_rabbitmq() {
     )];
     settings.message_bus.tls_cert_file = Some(cert);
     settings.message_bus.tls_key_file = Some(key);
-    let connection = inbox::tools::connect(&settings, "tls external").await.unwrap();
+    let connection = rabbit_inbox::tools::connect(&settings, "tls external")
+        .await
+        .unwrap();
     assert!(connection.status().connected());
     connection.close(200, "done".into()).await.unwrap();
 }
@@ -453,7 +455,7 @@ async fn broker_certificates_that_fail_verification_fail_the_start_with_the_reas
     let mut settings = Settings::default();
     settings.message_bus.amqp_urls =
         vec![servers.amqps_url("127.0.0.1", "&server_name_indication=localhost")];
-    let connection = inbox::tools::connect(&settings, "tls sni").await.unwrap();
+    let connection = rabbit_inbox::tools::connect(&settings, "tls sni").await.unwrap();
     connection.close(200, "done".into()).await.unwrap();
     // A CA that did not sign it, from the settings rather than the URL.
     let mut settings = with(db, format!("amqps://guest:s3cret@localhost:{port}/%2f"));
@@ -496,7 +498,7 @@ fn the_example_service_runs_on_tls_only_servers() {
     system.block_on(async {
         let mut settings = Settings::default();
         settings.message_bus.amqp_urls = vec![servers.amqps_url("localhost", "")];
-        let connection = inbox::tools::connect(&settings, "tls test").await.unwrap();
+        let connection = rabbit_inbox::tools::connect(&settings, "tls test").await.unwrap();
         let channel = connection.create_channel().await.unwrap();
         delete_queues(&channel, &[queue]).await;
         drop_database(servers, name).await;

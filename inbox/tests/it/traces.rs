@@ -4,10 +4,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use inbox::Runtime;
-use inbox::internal::trace;
-use inbox::tools::lapin::BasicProperties;
-use inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
+use rabbit_inbox::Runtime;
+use rabbit_inbox::internal::trace;
+use rabbit_inbox::tools::lapin::BasicProperties;
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::outbox::with_forward_queue;
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
@@ -52,11 +52,11 @@ async fn a_handler_sees_the_context_and_a_follow_up_continues_the_trace() {
         .unwrap();
     // It fails its first attempt and succeeds on its immediate retry.
     let message = Message::new(Counted { key: 0 });
-    let mut headers = inbox::tools::lapin::types::FieldTable::default();
+    let mut headers = rabbit_inbox::tools::lapin::types::FieldTable::default();
     trace::write(&trace::parse(INCOMING, Some("vendor=1")).unwrap(), &mut headers);
     headers.insert(
         "tenant".into(),
-        inbox::tools::lapin::types::AMQPValue::LongString("acme".into()),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongString("acme".into()),
     );
     let properties = BasicProperties::default()
         .with_message_id(message.id.to_string().into())
@@ -103,10 +103,12 @@ async fn an_invalid_traceparent_is_ignored_and_the_message_processed() {
         .await
         .unwrap();
     let message = Message::new(Counted { key: 1 });
-    let mut headers = inbox::tools::lapin::types::FieldTable::default();
+    let mut headers = rabbit_inbox::tools::lapin::types::FieldTable::default();
     headers.insert(
         "traceparent".into(),
-        inbox::tools::lapin::types::AMQPValue::LongString("00-zz-not-a-trace".repeat(100).as_str().into()),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongString(
+            "00-zz-not-a-trace".repeat(100).as_str().into(),
+        ),
     );
     let properties = BasicProperties::default()
         .with_message_id(message.id.to_string().into())

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
-use inbox::tools::deadpool_postgres::Pool;
-use inbox::{Settings, UnitOfWork};
+use rabbit_inbox::tools::deadpool_postgres::Pool;
+use rabbit_inbox::{Settings, UnitOfWork};
 
 use crate::support::TestEnv;
 
@@ -10,13 +10,13 @@ use crate::support::TestEnv;
 fn pool_of_one(settings: &Settings) -> Pool {
     let mut settings = settings.clone();
     settings.database.pool_size = 1;
-    inbox::tools::create_pool(&settings).unwrap()
+    rabbit_inbox::tools::create_pool(&settings).unwrap()
 }
 
 /// Whether the next connection from `pool` is inside a transaction, and its
 /// server process id.
 async fn next_connection_state(pool: &Pool) -> (bool, i32) {
-    use inbox::tokio_postgres::SimpleQueryMessage;
+    use rabbit_inbox::tokio_postgres::SimpleQueryMessage;
     let connection = pool.get().await.unwrap();
     // In a transaction's later statements, now() (its start) is earlier than
     // the statement's own timestamp; a simple query in autocommit is its own
@@ -37,7 +37,9 @@ async fn next_connection_state(pool: &Pool) -> (bool, i32) {
 
 /// A unit of work from `pool` that has written a row at `key` of `counts`.
 async fn begin_with_a_write(pool: &Pool, key: i64) -> UnitOfWork {
-    let uow = inbox::internal::begin(pool.get().await.unwrap()).await.unwrap();
+    let uow = rabbit_inbox::internal::begin(pool.get().await.unwrap())
+        .await
+        .unwrap();
     uow.client()
         .execute("INSERT INTO counts VALUES ($1, 1)", &[&key])
         .await
@@ -80,7 +82,7 @@ async fn a_begin_cancelled_in_flight_never_pools_a_transaction() {
     let pool = pool_of_one(&env.settings());
     for _ in 0..20 {
         // Polled once (BEGIN handed to the connection), then dropped.
-        let begin = inbox::internal::begin(pool.get().await.unwrap());
+        let begin = rabbit_inbox::internal::begin(pool.get().await.unwrap());
         let _ = tokio::time::timeout(Duration::ZERO, begin).await;
         let (in_transaction, _) = next_connection_state(&pool).await;
         assert!(
@@ -106,7 +108,7 @@ async fn commit_refuses_a_transaction_with_a_failed_statement() {
         .commit()
         .await
         .expect_err("commit reported success for a rolled-back transaction");
-    assert_eq!(error.kind(), inbox::ErrorKind::Usage, "{error}");
+    assert_eq!(error.kind(), rabbit_inbox::ErrorKind::Usage, "{error}");
     let (in_transaction, next_pid) = next_connection_state(&pool).await;
     assert!(!in_transaction);
     assert_eq!(next_pid, pid, "a rolled-back transaction cost its connection");

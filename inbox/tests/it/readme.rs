@@ -1,0 +1,103 @@
+//! README's embedding example works as shown: it is the example
+//! `embedding` word for word, and run against the local services with the
+//! settings README names, it consumes its queue and counts a check-in once.
+
+use std::time::Duration;
+
+use rabbit_inbox::tools::lapin::BasicProperties;
+use uuid::Uuid;
+
+use crate::support::{REPOSITORY, TestEnv, amqp, amqp_url, database_url_of, publish_to, wait_until};
+
+/// The queue README's example declares in code.
+const QUEUE: &str = "embedded.attendee-checked-in";
+
+fn readme_block() -> String {
+    let readme = std::fs::read_to_string(format!("{REPOSITORY}/README.md")).unwrap();
+    let section = &readme[readme
+        .find("## Embedding")
+        .expect("README has its Embedding section")..];
+    let start = section.find("```rust,no_run\n").expect("a Rust block") + "```rust,no_run\n".len();
+    let end = start + section[start..].find("```").unwrap();
+    section[start..end].to_owned()
+}
+
+#[test]
+fn readmes_embedding_example_is_the_example_word_for_word() {
+    let example = std::fs::read_to_string(format!("{REPOSITORY}/inbox/examples/embedding.rs")).unwrap();
+    let code: String = example
+        .lines()
+        .skip_while(|line| line.starts_with("//!") || line.is_empty())
+        .map(|line| format!("{line}\n"))
+        .collect();
+    assert_eq!(
+        code,
+        readme_block(),
+        "inbox/examples/embedding.rs and README's Embedding block differ"
+    );
+}
+
+#[actix_rt::test]
+async fn readmes_embedding_example_run_as_shown_counts_a_check_in_once() {
+    let env = TestEnv::new("readme_embedding").await;
+    let binary = crate::support::checkin_service().with_file_name("embedding");
+    let mut service = std::process::Command::new(binary)
+        .current_dir(REPOSITORY)
+        .env("INBOX__DATABASE__URL", database_url_of(&env.database))
+        .env("INBOX__MESSAGE_BUS__AMQP_URLS", amqp_url())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the embedding example starts");
+    wait_until("it consumes its queue", || async {
+        env.consumers(QUEUE).await == Some(1)
+    })
+    .await;
+    // One check-in, delivered twice (a redelivery): counted once.
+    let id = Uuid::now_v7();
+    for _ in 0..2 {
+        let properties = BasicProperties::default()
+            .with_message_id(id.to_string().into())
+            .with_type("AttendeeCheckedIn".into())
+            .with_content_type("application/json".into());
+        publish_to("", QUEUE, properties, br#"{"attendee_id": 7, "session_id": 1}"#).await;
+    }
+    wait_until("the check-in is counted", || async {
+        env.scalar("SELECT count(*) FROM attendee_checkins WHERE attendee_id = 7 AND checkins = 1")
+            .await
+            == 1
+    })
+    .await;
+    wait_until("the queue is empty", || async { env.ready(QUEUE).await == 0 }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.scalar("SELECT sum(checkins)::bigint FROM attendee_checkins")
+            .await,
+        1,
+        "the redelivery is skipped"
+    );
+    // SIGTERM: it drains and exits 0.
+    let pid = service.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let status = service.wait().unwrap();
+    assert!(status.success(), "exit status {status:?}");
+
+    // Its queues, and those kept beside it, go with the test.
+    // (A channel each: deleting one that is not there closes it.)
+    let connection = amqp().await;
+    let kept = (1..=3).map(|tier| format!("{QUEUE}.retry.{tier}"));
+    for name in kept.chain([
+        QUEUE.to_owned(),
+        format!("{QUEUE}.error"),
+        format!("{QUEUE}.skipped"),
+    ]) {
+        let channel = connection.create_channel().await.unwrap();
+        let _ = channel
+            .queue_delete(name.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
