@@ -101,3 +101,64 @@ async fn readmes_embedding_example_run_as_shown_counts_a_check_in_once() {
     }
     let _ = connection.close(200, "done".into()).await;
 }
+
+/// What a user doc must not hold: the history of its making belongs in
+/// commits, issues and CONTRIBUTING.md.
+fn diary_words(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let words: Vec<&str> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    for (i, word) in words.iter().enumerate() {
+        let lower = word.to_ascii_lowercase();
+        let is_date = word.len() == 10
+            && word.starts_with("20")
+            && word.as_bytes()[4] == b'-'
+            && word.as_bytes()[7] == b'-'
+            && word.bytes().filter(u8::is_ascii_digit).count() == 8;
+        let is_commit = (7..=12).contains(&word.len())
+            && word
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            && word.bytes().any(|b| b.is_ascii_digit())
+            && word.bytes().any(|b| b.is_ascii_alphabetic());
+        let is_issue_talk = lower == "issue" || lower == "issues" || lower == "vm" || lower == "2-core";
+        let is_milestone = matches!(lower.as_str(), "performance" | "hardening" | "shape")
+            && words
+                .get(i + 1)
+                .is_some_and(|next| matches!(*next, "I" | "II" | "III" | "IV" | "V"));
+        if is_date || is_commit || is_issue_talk || is_milestone {
+            found.push((*word).to_owned());
+        }
+    }
+    found
+}
+
+#[test]
+fn user_docs_hold_no_dated_runs_machines_commits_or_issue_talk() {
+    let mut docs = vec![format!("{REPOSITORY}/README.md")];
+    for entry in std::fs::read_dir(format!("{REPOSITORY}/docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            docs.push(path.display().to_string());
+        }
+    }
+    let mut offences = Vec::new();
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        for word in diary_words(&text) {
+            offences.push(format!("{doc}: {word}"));
+        }
+    }
+    assert!(offences.is_empty(), "user docs hold a diary: {offences:#?}");
+    let performance = std::fs::read_to_string(format!("{REPOSITORY}/docs/performance.md")).unwrap();
+    assert!(
+        performance.lines().count() <= 120,
+        "docs/performance.md is a page, not a notebook"
+    );
+    assert_eq!(
+        diary_words("Measured on 2026-12-06 (ecfa281) on a 2-core VM for the issue, Performance III"),
+        ["2026-12-06", "ecfa281", "2-core", "VM", "issue", "Performance"]
+    );
+}
