@@ -237,7 +237,8 @@ impl Envelope {
     /// The envelope of a message published in process, for `consumer`.
     pub fn from_message<E: IntegrationEvent>(message: &Message<E>, consumer: &str) -> crate::Result<Self> {
         let trace = TraceContext::current(None);
-        let mut headers = FieldTable::default();
+        message.own_headers()?;
+        let mut headers = message.header_table();
         if let Some(trace) = &trace {
             trace.insert_into(&mut headers);
         }

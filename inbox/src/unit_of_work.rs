@@ -595,13 +595,30 @@ fn outgoing<E: IntegrationEvent>(
         ));
     };
     let json = message.to_json()?;
+    let own = message.own_headers()?;
     let trace = TraceContext::current(cause.and_then(|cause| cause.trace.as_ref()));
+    // The message's own headers beside what the library carries over, in
+    // place of a carried one of the same name.
+    let set_own = |headers: &mut Vec<(String, String)>| {
+        for (name, value) in own {
+            headers.retain(|(key, _)| key != name);
+            headers.push((name.clone(), value.clone()));
+        }
+    };
     let (exchange, headers, body) = match outbox.wire {
-        Wire::Inbox => (outbox.exchange.to_string(), follow_up_headers(cause, trace), json),
+        Wire::Inbox => {
+            let mut headers = follow_up_headers(cause, trace);
+            set_own(&mut headers);
+            (outbox.exchange.to_string(), headers, json)
+        }
         // MassTransit publishes to the type's own fanout exchange, in
         // its envelope, with what its consumers carry on.
         Wire::Masstransit => {
-            let headers = crate::masstransit::follow_up_headers(cause, trace.as_ref());
+            let mut headers = crate::masstransit::follow_up_headers(cause, trace.as_ref());
+            set_own(&mut headers.amqp);
+            for (name, value) in own {
+                headers.envelope.insert(name.clone(), value.as_str().into());
+            }
             let envelope = crate::masstransit::envelope_now(
                 message.id,
                 (E::TYPE, E::IMPLEMENTS),
@@ -729,6 +746,41 @@ impl Drop for Nested<'_> {
 mod tests {
     use super::*;
     use crate::Settings;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Shipped {
+        order: i64,
+    }
+
+    impl IntegrationEvent for Shipped {
+        const TYPE: &'static str = "Shop:Shipped";
+    }
+
+    #[test]
+    fn a_messages_own_header_goes_out_on_both_wires_and_in_masstransits_envelope() {
+        for wire in [Wire::Inbox, Wire::Masstransit] {
+            let outbox = Outbox {
+                exchange: "events".into(),
+                max_message_size: 1 << 20,
+                wire,
+                wake: std::sync::Arc::default(),
+                after_commit: None,
+            };
+            let message = Message::new(Shipped { order: 7 }).with_header("tenant", "acme");
+            let staged = outgoing(Some(&outbox), None, "q", &message).unwrap();
+            assert!(
+                staged.headers.contains(&("tenant".to_owned(), "acme".to_owned())),
+                "{wire:?}: {:?}",
+                staged.headers
+            );
+            if wire == Wire::Masstransit {
+                let envelope: serde_json::Value = serde_json::from_slice(&staged.body).unwrap();
+                assert_eq!(envelope["headers"]["tenant"], "acme");
+            }
+            let refused = Message::new(Shipped { order: 8 }).with_header("MT-Activity-Id", "x");
+            assert!(outgoing(Some(&outbox), None, "q", &refused).is_err(), "{wire:?}");
+        }
+    }
 
     /// On the machine's PostgreSQL (`database.url`'s default): a
     /// transaction with a savepoint, no tables.

@@ -1083,13 +1083,13 @@ async fn publish_event(
     match publisher.wire() {
         Wire::Inbox => publisher.publish(queue, message).await,
         Wire::Masstransit => {
-            let contract = Message {
-                id: message.id,
-                event: common::masstransit::AttendeeCheckedIn {
+            let contract = Message::with_id(
+                message.id,
+                common::masstransit::AttendeeCheckedIn {
                     attendee_id: message.event.attendee_id,
                     session_id: message.event.session_id,
                 },
-            };
+            );
             publisher.publish(queue, &contract).await
         }
     }

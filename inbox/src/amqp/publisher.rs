@@ -345,9 +345,10 @@ impl AmqpPublisher {
     /// not used).
     pub async fn publish<E: IntegrationEvent>(&self, routing_key: &str, message: &Message<E>) -> Result<()> {
         let json = message.to_json()?;
+        let own = message.own_headers()?;
         match self.wire {
             Wire::Inbox => {
-                let properties = message_properties(message.id, E::TYPE);
+                let properties = message_properties(message.id, E::TYPE).with_headers(message.header_table());
                 self.publish_raw(routing_key, properties, &json).await
             }
             Wire::Masstransit => {
@@ -356,9 +357,12 @@ impl AmqpPublisher {
                     (E::TYPE, E::IMPLEMENTS),
                     &json,
                     None,
-                    Default::default(),
+                    own.iter()
+                        .map(|(name, value)| (name.clone(), value.as_str().into()))
+                        .collect(),
                 )?;
-                let properties = crate::masstransit::properties(message.id);
+                let properties =
+                    crate::masstransit::properties(message.id).with_headers(message.header_table());
                 self.publish_to_subscribers(E::TYPE, E::IMPLEMENTS, properties, &envelope)
                     .await
             }

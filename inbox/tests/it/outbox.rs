@@ -10,7 +10,7 @@ use rabbit_inbox::tools::lapin::options::BasicGetOptions;
 use rabbit_inbox::tools::lapin::types::FieldTable;
 use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
 
-use crate::support::{Counted, TestEnv, Valid, amqp, increment, publish_keys, wait_until};
+use crate::support::{Counted, TestEnv, Valid, amqp, header, increment, publish_keys, wait_until};
 
 /// Counts like `Count`, and stages one follow-up per event to `forward`
 /// (key + 1000), in the same transaction; fails key 7 after staging.
@@ -1115,4 +1115,70 @@ async fn a_renewal_whose_answer_was_lost_leaves_the_lease_renewable() {
         renewed.and(dispatched)
     };
     watched_while_held(&env, &settings, &held, dispatching, Duration::from_secs(10), 3).await;
+}
+
+/// Forwards each event with a header of its own: the consumed message's
+/// `tenant`, or the one a refused name asks for.
+struct ForwardWithTenant {
+    forward: String,
+}
+
+impl EventHandler<Counted> for ForwardWithTenant {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        let tenant = uow
+            .context()
+            .and_then(|c| {
+                c.headers()
+                    .get("tenant")
+                    .and_then(|v| v.as_text().map(str::to_owned))
+            })
+            .unwrap_or_default();
+        let follow_up = Message::new(Counted {
+            key: event.key + 1000,
+        })
+        .with_header("tenant", tenant);
+        // The flow's headers are the library's: refused, and nothing staged.
+        let refused = Message::new(Counted { key: -1 }).with_header("correlation_id", "mine");
+        let error = uow.publish(&self.forward, &refused).await.unwrap_err();
+        assert!(error.to_string().contains("header `correlation_id`"), "{error}");
+        uow.publish(&self.forward, &follow_up).await?;
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_handler_sets_a_header_of_its_own_on_a_follow_up_beside_the_carried_ones() {
+    let (env, forward) = with_forward_queue("outbox_own_headers").await;
+    let runtime = Runtime::builder(env.settings().valid())
+        .handler(ForwardWithTenant {
+            forward: forward.clone(),
+        })
+        .start()
+        .await
+        .unwrap();
+    let id = uuid::Uuid::now_v7();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "tenant".into(),
+        rabbit_inbox::tools::lapin::types::AMQPValue::LongString("acme".into()),
+    );
+    let properties = rabbit_inbox::tools::lapin::BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_type("Counted".into())
+        .with_headers(headers);
+    env.publish_raw(properties, br#"{"key": 1}"#).await;
+    wait_until("the follow-up arrives", || async {
+        env.ready(&forward).await == 1
+    })
+    .await;
+    runtime.shutdown().await;
+    let copy = env.take(&forward).await.unwrap();
+    let event: Counted = serde_json::from_slice(&copy.data).unwrap();
+    assert_eq!(event.key, 1001, "only the follow-up, not the refused one");
+    assert_eq!(header(&copy, "tenant").as_deref(), Some("acme"));
+    assert_eq!(
+        header(&copy, rabbit_inbox::internal::CAUSATION_ID).as_deref(),
+        Some(id.to_string().as_str()),
+        "the carried headers stay"
+    );
 }
