@@ -318,7 +318,8 @@ async fn remove(settings: &rabbit_inbox::Settings) -> common::Result<()> {
     let wire = settings.message_bus.wire;
     for queue in &settings.queues {
         let q = queue.name.as_str();
-        let kept = (1..=settings.failure.delays.len()).map(|tier| wire.retry_queue(q, tier));
+        let tiers = queue.failure_policy(&settings.failure).delays.len();
+        let kept = (1..=tiers).map(|tier| wire.retry_queue(q, tier));
         for name in kept.chain([wire.error_queue(q), wire.skipped_queue(q), q.to_owned()]) {
             let deleted = channel
                 .queue_delete(name.as_str().into(), Default::default())

@@ -208,7 +208,7 @@ impl ConsumerActor {
             consumer: queue.consumer_id().into(),
             dedup,
             forwarder: link.forwarder,
-            failure: settings.failure.clone(),
+            failure: queue.failure_policy(&settings.failure),
             stats,
             metrics: Arc::clone(&metrics),
             database,

@@ -47,8 +47,8 @@ impl Link {
         let connection = amqp::connect(settings, &format!("inbox {}", queue.name)).await?;
         let types = handled.names();
         let wire = settings.message_bus.wire;
-        let declared =
-            amqp::declare_wire_topology(&connection, queue, &settings.failure, wire, &types).await?;
+        let failure = queue.failure_policy(&settings.failure);
+        let declared = amqp::declare_wire_topology(&connection, queue, &failure, wire, &types).await?;
         let channel = connection.create_channel().await.map_err(Error::client)?;
         channel
             .basic_qos(queue.prefetch, BasicQosOptions { global: false })

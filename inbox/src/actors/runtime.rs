@@ -468,9 +468,12 @@ impl Runtime {
             for queue in &self.settings.queues {
                 let handled = self.handled.only(&queue.event_types);
                 let types = handled.names();
-                let (failure, wire) = (&self.settings.failure, self.settings.message_bus.wire);
+                let (failure, wire) = (
+                    queue.failure_policy(&self.settings.failure),
+                    self.settings.message_bus.wire,
+                );
                 let declared =
-                    crate::amqp::declare_wire_topology(&connection, queue, failure, wire, &types).await?;
+                    crate::amqp::declare_wire_topology(&connection, queue, &failure, wire, &types).await?;
                 say_what_guards(queue, wire, &declared);
             }
             // The outbox dispatches over a connection of its own.

@@ -459,6 +459,38 @@ pub struct QueueSettings {
     /// Empty (the default): every type a handler is registered for.
     #[serde(default)]
     pub event_types: Vec<String>,
+    /// `failure`: this queue's failure policy, key by key over the
+    /// service's `[failure]` (`[queues.failure]` under its `[[queues]]`):
+    /// a queue of payments may retry for an hour where one of
+    /// notifications gives up at once. Read it through
+    /// [`failure_policy`](Self::failure_policy). Default: the service's.
+    #[serde(default)]
+    pub failure: QueueFailureSettings,
+}
+
+/// `queues[].failure`: what a queue changes of the service's failure
+/// policy; a key left out is the service's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct QueueFailureSettings {
+    /// `immediate_retries`, as `failure.immediate_retries`.
+    pub immediate_retries: Option<u32>,
+    /// `immediate_backoff`, as `failure.immediate_backoff`.
+    #[serde(with = "humantime_serde::option")]
+    pub immediate_backoff: Option<Duration>,
+    /// `delays`, as `failure.delays`: this queue's retry tiers (`[]`: none,
+    /// straight to `Q.error` after the immediate retries).
+    #[serde(deserialize_with = "optional_durations")]
+    pub delays: Option<Vec<Duration>>,
+    /// `max_body_size`, as `failure.max_body_size`.
+    pub max_body_size: Option<usize>,
+}
+
+fn optional_durations<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<Vec<Duration>>, D::Error> {
+    durations(deserializer).map(Some)
 }
 
 fn default_delivery_limit() -> u32 {
@@ -502,12 +534,25 @@ impl QueueSettings {
             delivery_limit: default_delivery_limit(),
             raw_json: false,
             event_types: Vec::new(),
+            failure: QueueFailureSettings::default(),
         }
     }
 
     /// The consumer id used in the dedup key: `consumer`, or the queue name.
     pub fn consumer_id(&self) -> &str {
         self.consumer.as_deref().unwrap_or(&self.name)
+    }
+
+    /// This queue's failure policy: its own keys (`queues[].failure`) over
+    /// the service's `service` (`[failure]`).
+    pub fn failure_policy(&self, service: &FailureSettings) -> FailureSettings {
+        let own = &self.failure;
+        FailureSettings {
+            immediate_retries: own.immediate_retries.unwrap_or(service.immediate_retries),
+            immediate_backoff: own.immediate_backoff.unwrap_or(service.immediate_backoff),
+            delays: own.delays.clone().unwrap_or_else(|| service.delays.clone()),
+            max_body_size: own.max_body_size.unwrap_or(service.max_body_size),
+        }
     }
 }
 

@@ -715,3 +715,36 @@ fn the_operations_settings_table_and_the_default_file_agree() {
         );
     }
 }
+
+#[test]
+fn a_queue_changes_the_failure_policy_key_by_key_and_a_bad_key_is_named_under_it() {
+    let dir = temp_dir(&[(
+        "default.toml",
+        "[failure]\nimmediate_retries = 5\n\n[[queues]]\nname = \"payments\"\n\n\
+         [[queues]]\nname = \"notifications\"\n[queues.failure]\ndelays = []\nimmediate_retries = 0\n",
+    )]);
+    let settings = Settings::load_layered(&dir, None, vars(&[])).unwrap();
+    let payments = settings.queues[0].failure_policy(&settings.failure);
+    let notifications = settings.queues[1].failure_policy(&settings.failure);
+    assert_eq!((payments.immediate_retries, payments.delays.len()), (5, 3));
+    assert_eq!(
+        (notifications.immediate_retries, notifications.delays.len()),
+        (0, 0)
+    );
+    assert_eq!(notifications.max_body_size, settings.failure.max_body_size);
+
+    let dir = temp_dir(&[(
+        "default.toml",
+        "[[queues]]\nname = \"a\"\n[queues.failure]\ndelays = [\"1s\", \"0s\"]\n",
+    )]);
+    let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
+    assert!(err.to_string().contains("queues[0].failure.delays[1]"), "{err}");
+
+    // The longest path of any queue bounds retention.
+    let dir = temp_dir(&[(
+        "default.toml",
+        "[retention]\ndays = 1\n[[queues]]\nname = \"a\"\n[queues.failure]\ndelays = [\"25h\"]\n",
+    )]);
+    let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
+    assert!(err.to_string().contains("queues[0].failure.delays"), "{err}");
+}

@@ -29,7 +29,20 @@ impl Settings {
                 ));
             }
         }
-        self.failure.validate()?;
+        self.failure.validate("failure")?;
+        // Each queue's policy, and the longest redelivery path of them all.
+        let mut longest = ("failure".to_owned(), self.failure.longest_redelivery_path());
+        for (i, queue) in self.queues.iter().enumerate() {
+            if queue.failure == Default::default() {
+                continue;
+            }
+            let section = format!("queues[{i}].failure");
+            let policy = queue.failure_policy(&self.failure);
+            policy.validate(&section)?;
+            if policy.longest_redelivery_path() > longest.1 {
+                longest = (section, policy.longest_redelivery_path());
+            }
+        }
         self.retention.validate()?;
         self.outbox.validate()?;
         if !(0.0..=1.0).contains(&self.failures.pause_redrive_at) {
@@ -37,13 +50,13 @@ impl Settings {
         }
         check_timer(self.runtime.shutdown_timeout, "runtime.shutdown_timeout")?;
         // Across sections: a late redelivery must still find its row.
-        let path = self.failure.longest_redelivery_path();
+        let (section, path) = longest;
         if self.retention.period() <= path {
             return Err(Error::setting(
                 "retention.days",
                 format!(
-                    "{} days is not longer than the longest redelivery path ({}, from failure.delays and \
-                     failure.immediate_retries): a late redelivery would find its inbox row deleted and run again",
+                    "{} days is not longer than the longest redelivery path ({}, from {section}.delays and \
+                     {section}.immediate_retries): a late redelivery would find its inbox row deleted and run again",
                     self.retention.days,
                     humantime::format_duration(path)
                 ),
@@ -173,21 +186,29 @@ impl QueueSettings {
 }
 
 impl FailureSettings {
-    fn validate(&self) -> Result<()> {
+    /// Checks the policy read under `section` (`failure`, or a queue's
+    /// `queues[i].failure`), naming its keys so.
+    fn validate(&self, section: &str) -> Result<()> {
         if self.immediate_retries > 100 {
-            return Err(Error::setting("failure.immediate_retries", "must be at most 100"));
+            return Err(Error::setting(
+                &format!("{section}.immediate_retries"),
+                "must be at most 100",
+            ));
         }
         for (i, delay) in self.delays.iter().enumerate() {
             // x-message-ttl is a 32-bit count of milliseconds.
             if delay.is_zero() || delay.as_millis() > u128::from(u32::MAX) {
                 return Err(Error::setting(
-                    &format!("failure.delays[{i}]"),
+                    &format!("{section}.delays[{i}]"),
                     "must be more than 0 and at most 49 days",
                 ));
             }
         }
         if self.max_body_size == 0 {
-            return Err(Error::setting("failure.max_body_size", "must be at least 1"));
+            return Err(Error::setting(
+                &format!("{section}.max_body_size"),
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

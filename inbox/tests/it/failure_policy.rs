@@ -497,3 +497,38 @@ async fn a_message_replayed_after_its_delivery_limit_starts_with_its_deliveries_
     );
     connection.close(200, "done".into()).await.unwrap();
 }
+
+#[actix_rt::test]
+async fn a_queue_with_a_failure_policy_of_its_own_gives_up_as_it_says() {
+    let env = TestEnv::new("queue_policy").await;
+    let mut settings = env.settings();
+    // This queue: no immediate retry, no retry tier; the service's
+    // (config/test.toml): two immediate retries, two tiers.
+    settings.queues[0].failure.immediate_retries = Some(0);
+    settings.queues[0].failure.delays = Some(Vec::new());
+    let policy = settings.queues[0].failure_policy(&settings.failure);
+    assert_eq!((policy.immediate_retries, policy.delays.len()), (0, 0));
+    assert_eq!(
+        policy.immediate_backoff, settings.failure.immediate_backoff,
+        "a key left out is the service's"
+    );
+    let handler = Unreliable::broken();
+    let runtime = Runtime::builder(settings.valid())
+        .handler(handler.clone())
+        .start()
+        .await
+        .unwrap();
+    let message = Message::new(Counted { key: 1 });
+    runtime.publisher().publish(&env.queue, &message).await.unwrap();
+    let error = error_queue(&env.queue);
+    wait_until("set aside", || async { env.ready(&error).await == 1 }).await;
+    runtime.shutdown().await;
+    assert_eq!(handler.calls(), 1, "one attempt, no retry");
+    let copy = env.take(&error).await.unwrap();
+    assert_eq!(header(&copy, headers::ATTEMPTS).as_deref(), Some("1"));
+    assert_eq!(
+        env.consumers(&retry_queue(&env.queue, 1)).await,
+        None,
+        "no retry tier declared"
+    );
+}
