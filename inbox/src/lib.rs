@@ -113,6 +113,8 @@ mod names;
 mod outbox;
 mod policy;
 mod retention;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod tls;
 mod trace;
 

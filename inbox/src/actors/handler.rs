@@ -279,6 +279,12 @@ pub(crate) fn decode<E: IntegrationEvent>(body: &[u8], names: FieldNames) -> Res
     .map_err(|e| cut_to_reason(format!("body is not a valid `{}`: {e}", E::TYPE)))
 }
 
+/// `envelope`'s body decoded into `E`, as the handlers' route decodes it.
+#[cfg(feature = "testing")]
+pub(crate) fn decode_event<E: IntegrationEvent>(envelope: &Envelope) -> Result<E, String> {
+    decode(&envelope.body, FieldNames::of(envelope))
+}
+
 /// Decodes a body into an event type before a message's transaction
 /// begins: a body that is not its event goes to the error queue without
 /// costing a transaction and a rollback, and one that is has its event
@@ -484,7 +490,7 @@ fn cut_to_reason(text: String) -> String {
     }
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

@@ -71,4 +71,6 @@ pub use stats::StatsSnapshot;
 // What this repository's tests and benches reach (`crate::internal`).
 pub use dedup::{DedupActor, Deliver, DeliverBatch};
 pub(crate) use handler::HandledTypes;
+#[cfg(feature = "testing")]
+pub(crate) use handler::{decode_event, panic_message as panic_text};
 pub use stats::{Stats, latency_bound};

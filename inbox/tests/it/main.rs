@@ -14,6 +14,12 @@ mod failures_table;
 mod operator_plane;
 // The operator page in headless Chromium, against the example service.
 mod browser;
+// The test kit, on the example service's own handlers (shared with the
+// examples, which use more of it than the tests do).
+#[allow(dead_code, unreachable_pub, clippy::all)]
+#[path = "../../examples/common/mod.rs"]
+mod common;
+mod test_kit;
 // README's embedding example: the example word for word, and it works as shown.
 mod readme;
 // A redrive while two instances of the example service compete for it and are killed.

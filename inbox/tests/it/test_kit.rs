@@ -1,0 +1,89 @@
+//! The test kit (feature `testing`), on the example service's own
+//! handlers: a handler run on a message the test makes, in a real
+//! PostgreSQL transaction, no broker, and what the runtime would do.
+
+use rabbit_inbox::testing::{TestKit, Verdict};
+use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+
+use crate::common::{AttendeeCheckedIn, CountCheckins, ForwardCheckins, SCHEMA};
+use crate::support::TestEnv;
+
+/// A handler that panics.
+struct Panics;
+
+impl EventHandler<AttendeeCheckedIn> for Panics {
+    async fn handle(&self, _: &AttendeeCheckedIn, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+        panic!("the ledger is gone")
+    }
+}
+
+#[actix_rt::test]
+async fn the_example_services_handlers_run_under_the_test_kit_as_the_runtime_would_run_them() {
+    let env = TestEnv::new("test_kit").await;
+    let settings = env.settings();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    let lock_wait = settings.database.migration_lock_timeout;
+    rabbit_inbox::tools::migrate(&mut pool.get().await.unwrap(), false, SCHEMA, lock_wait)
+        .await
+        .unwrap();
+    let kit = TestKit::new(&settings).unwrap();
+    let check_in = |attendee_id| {
+        Message::new(AttendeeCheckedIn {
+            attendee_id,
+            session_id: 1,
+        })
+    };
+
+    let ran = kit.deliver(check_in(7)).handled_by(&CountCheckins).await.unwrap();
+    assert_eq!(ran.verdict, Verdict::Committed);
+    assert_eq!(
+        env.scalar("SELECT checkins FROM attendee_checkins WHERE attendee_id = 7")
+            .await,
+        1
+    );
+
+    // Refused: rolled back, and retried by the runtime.
+    let ran = kit
+        .deliver(check_in(-1))
+        .handled_by(&CountCheckins)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&ran.verdict, Verdict::Retried { reason } if reason.contains("negative")),
+        "{ran:?}"
+    );
+    assert_eq!(env.scalar("SELECT count(*) FROM attendee_checkins").await, 1);
+
+    // A follow-up, staged with the commit, caused by the message.
+    let message = check_in(8).with_header("tenant", "acme");
+    let source = message.id;
+    let forward = ForwardCheckins {
+        queue: "checkins.recorded".into(),
+    };
+    let ran = kit.deliver(message).handled_by(&forward).await.unwrap();
+    assert_eq!(ran.verdict, Verdict::Committed);
+    let [staged] = ran.staged.as_slice() else {
+        panic!("one follow-up: {ran:?}");
+    };
+    assert_eq!(staged.routing_key, "checkins.recorded");
+    assert_eq!(staged.json().unwrap()["source_message_id"], source.to_string());
+    assert!(
+        staged
+            .headers
+            .contains(&("causation_id".into(), source.to_string())),
+        "{:?}",
+        staged.headers
+    );
+
+    let ran = kit
+        .deliver(check_in(9))
+        .redelivered()
+        .attempt(3)
+        .handled_by(&Panics)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&ran.verdict, Verdict::Retried { reason } if reason.contains("the ledger is gone")),
+        "{ran:?}"
+    );
+}
