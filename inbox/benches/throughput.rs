@@ -114,7 +114,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, XorShift};
+use common::{AttendeeCheckedIn, CountAttendance, CountCheckins, Seeded};
 use common::{BoxError as Error, Result};
 use futures_util::StreamExt;
 use rabbit_inbox::Runtime;
@@ -210,7 +210,7 @@ struct Workload {
 
 impl Workload {
     fn new(count: usize, dup_ratio: f64) -> Self {
-        let mut random = XorShift(0x2545_f491_4f6c_dd1d);
+        let mut random = Seeded::new(0x2545_f491_4f6c_dd1d);
         let mut messages: Vec<Message<AttendeeCheckedIn>> = Vec::with_capacity(count);
         for _ in 0..count {
             let message = if !messages.is_empty() && random.chance(dup_ratio) {
@@ -1209,7 +1209,7 @@ async fn publish_steadily(connection: &Connection, queue: &str, count: usize, ra
     let channel = connection.create_channel().await?;
     channel.confirm_select(Default::default()).await?;
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
-    let mut random = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut random = Seeded::new(0x9e37_79b9_7f4a_7c15);
     let mut confirms = Vec::with_capacity(count);
     for _ in 0..count {
         ticks.tick().await;

@@ -95,9 +95,28 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
+/// What `--help` prints.
+const USAGE: &str = "usage: checkin_service [--queue NAME] [--batch-size N] [--abort-on-attendee ID]
+                       [--forward-to QUEUE] [--http ADDR [--ops-tokens FILE]] [--wire inbox|masstransit]
+       checkin_service --remove [--queue NAME] [--wire inbox|masstransit]
+(inbox/examples/checkin_service.rs says what each does)";
+
 async fn run() -> common::Result<()> {
+    common::check_flags(
+        USAGE,
+        &[
+            "queue",
+            "batch-size",
+            "abort-on-attendee",
+            "forward-to",
+            "http",
+            "ops-tokens",
+            "wire",
+        ],
+        &["remove"],
+    );
     let mut settings = common::settings()?;
-    if std::env::args().any(|a| a == "--remove") {
+    if common::arg("--remove").is_some() {
         return remove(&settings).await;
     }
     let wire = settings.message_bus.wire;

@@ -13,7 +13,7 @@ mod common;
 
 use std::collections::HashSet;
 
-use common::{AttendeeCheckedIn, XorShift};
+use common::{AttendeeCheckedIn, Seeded};
 use rabbit_inbox::Message;
 use rabbit_inbox::tools::{self, AmqpPublisher};
 
@@ -29,6 +29,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> common::Result<()> {
+    common::check_flags(
+        "usage: publish [--count 1000] [--dup-ratio 0.2] [--failing 0] [--queue NAME] [--wire inbox|masstransit]",
+        &["count", "dup-ratio", "failing", "queue", "wire"],
+        &[],
+    );
     let count: usize = common::parsed_arg("--count", 1000);
     let dup_ratio: f64 = common::parsed_arg("--dup-ratio", 0.2);
     let failing: usize = common::parsed_arg("--failing", 0);
@@ -44,7 +49,7 @@ async fn run() -> common::Result<()> {
     tools::declare_topology(&connection.create_channel().await?, queue, &settings.failure).await?;
     let publisher = AmqpPublisher::new(&connection, "").await?;
 
-    let mut random = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut random = Seeded::new(0x9e37_79b9_7f4a_7c15);
     let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::with_capacity(count);
     let mut unique = HashSet::new();
     for i in 0..count + failing {

@@ -77,7 +77,7 @@ use std::process::{Child, Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{AttendeeCheckedIn, XorShift};
+use common::{AttendeeCheckedIn, Seeded};
 use common::{BoxError as Error, Result};
 use rabbit_inbox::tools;
 use rabbit_inbox::tools::AmqpPublisher;
@@ -290,13 +290,13 @@ async fn run() -> Result<bool> {
         let (settings, queue) = (suite.settings.clone(), suite.queue.clone());
         tokio::spawn(async move { publish_all(&settings, &queue).await })
     };
-    let mut random = XorShift(
+    let mut random = Seeded::new(
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(7, |d| d.as_nanos() as u64)
             | 1,
     );
-    let pause = |random: &mut XorShift| Duration::from_millis(500 + random.below(1500));
+    let pause = |random: &mut Seeded| Duration::from_millis(500 + random.below(1500));
     for round in 0..KILLS {
         tokio::time::sleep(pause(&mut random)).await;
         child = suite.kill_and_restart(child)?;
@@ -965,7 +965,7 @@ async fn probe(settings: &Settings, queue: &str) -> Result<rabbit_inbox::tools::
 /// fails is repeated (a duplicate at worst, which the inbox absorbs).
 async fn publish_all(settings: &Settings, queue: &str) -> Result<Published> {
     let wire = settings.message_bus.wire;
-    let mut random = XorShift(0x5eed_cafe_f00d_0001);
+    let mut random = Seeded::new(0x5eed_cafe_f00d_0001);
     let mut published = Published::default();
     let mut sent: Vec<Message<AttendeeCheckedIn>> = Vec::new();
     let mut publisher: Option<(Arc<Connection>, AmqpPublisher)> = None;

@@ -242,25 +242,23 @@ pub(crate) async fn create_tables(pool: &rabbit_inbox::tools::deadpool_postgres:
     Ok(rabbit_inbox::tools::migrate(&mut connection, true, SCHEMA, lock_wait).await?)
 }
 
-/// A small deterministic generator: enough to vary ids, no extra crate.
-pub(crate) struct XorShift(pub u64);
+/// A seeded generator (fastrand's, a dependency of the crate already): the
+/// same seed, the same numbers, run after run.
+pub(crate) struct Seeded(fastrand::Rng);
 
-impl XorShift {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+impl Seeded {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(fastrand::Rng::with_seed(seed))
     }
 
     /// A number in `0..n`.
     pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.0.u64(..n.max(1))
     }
 
     /// `true` with probability `p`.
     pub(crate) fn chance(&mut self, p: f64) -> bool {
-        (self.below(1_000_000) as f64) < p * 1_000_000.0
+        self.0.f64() < p
     }
 }
 
@@ -316,9 +314,54 @@ async fn admin(settings: &Settings) -> Result<rabbit_inbox::tools::deadpool_post
 
 /// The value after `--name` on the command line.
 pub(crate) fn arg(name: &str) -> Option<String> {
+    if let Some(flags) = FLAGS.get() {
+        return flags.get(name.trim_start_matches('-')).cloned();
+    }
     let mut args = std::env::args().skip_while(|a| a != name);
     args.next()?;
     args.next()
+}
+
+/// The options an example's command line gave, once checked by
+/// [`check_flags`]: name (without its dashes) to value (`""` for a switch).
+static FLAGS: std::sync::OnceLock<std::collections::HashMap<String, String>> = std::sync::OnceLock::new();
+
+/// Reads the command line against what the example takes: options with a
+/// value (`valued`, `--name value` or `--name=value`) and switches, by
+/// name without their dashes. `--help` prints `usage` and exits 0; an
+/// unknown option, a stray argument or a missing value exits 2, naming
+/// it, with `usage`. [`arg`] and [`parsed_arg`] then read what it found.
+pub(crate) fn check_flags(usage: &str, valued: &[&str], switches: &[&str]) {
+    use lexopt::prelude::*;
+    let program = std::env::args().next().unwrap_or_default();
+    let fail = |error: lexopt::Error| -> ! {
+        eprintln!("{program}: {error}\n\n{usage}");
+        std::process::exit(2)
+    };
+    let mut found = std::collections::HashMap::new();
+    let mut parser = lexopt::Parser::from_env();
+    loop {
+        match parser.next() {
+            Ok(None) => break,
+            Ok(Some(Long("help") | Short('h'))) => {
+                println!("{usage}");
+                std::process::exit(0)
+            }
+            Ok(Some(Long(name))) if valued.contains(&name) => {
+                let name = name.to_owned();
+                match parser.value().map(|v| v.string()) {
+                    Ok(Ok(value)) => found.insert(name, value),
+                    Ok(Err(e)) | Err(e) => fail(e),
+                };
+            }
+            Ok(Some(Long(name))) if switches.contains(&name) => {
+                found.insert(name.to_owned(), String::new());
+            }
+            Ok(Some(other)) => fail(other.unexpected()),
+            Err(e) => fail(e),
+        }
+    }
+    let _ = FLAGS.set(found);
 }
 
 /// `--name` parsed, or `default`; exits with a clear message on a bad value.

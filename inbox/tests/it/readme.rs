@@ -162,3 +162,23 @@ fn user_docs_hold_no_dated_runs_machines_commits_or_issue_talk() {
         ["2026-12-06", "ecfa281", "2-core", "VM", "issue", "Performance"]
     );
 }
+
+#[test]
+fn the_example_service_names_an_option_it_does_not_know_and_shows_its_usage() {
+    let output = std::process::Command::new(crate::support::checkin_service())
+        .args(["--http", "127.0.0.1:0", "--ops-tokns", "tokens"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "refused, not run without it");
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        said.contains("'--ops-tokns'") && said.contains("usage:"),
+        "{said}"
+    );
+    let help = std::process::Command::new(crate::support::checkin_service())
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--ops-tokens FILE"));
+}
