@@ -349,7 +349,12 @@ impl UnitOfWork {
         message: &Message<E>,
     ) -> Result<()> {
         let cause = self.cause()?;
-        let outgoing = outgoing(self.state.outbox.as_ref(), cause, routing_key, message)?;
+        let outgoing = outgoing(
+            self.state.outbox.as_ref(),
+            cause,
+            To::Subscribers(routing_key),
+            message,
+        )?;
         self.state.outgoing.push(outgoing);
         Ok(())
     }
@@ -362,7 +367,39 @@ impl UnitOfWork {
         routing_key: &str,
         message: &Message<E>,
     ) -> Result<()> {
-        let outgoing = outgoing(self.state.outbox.as_ref(), Some(cause), routing_key, message)?;
+        let outgoing = outgoing(
+            self.state.outbox.as_ref(),
+            Some(cause),
+            To::Subscribers(routing_key),
+            message,
+        )?;
+        self.state.outgoing.push(outgoing);
+        Ok(())
+    }
+
+    /// Stages `message` for one queue, `queue`, as MassTransit's `Send`
+    /// does: through the default exchange straight to that queue, on both
+    /// wires (on MassTransit's, in its envelope), whatever exchange
+    /// [`publish`](Self::publish) would use. The queue must exist: a row
+    /// the broker cannot route is retried, then parked as dead. Otherwise
+    /// as `publish`: through the outbox, with the commit, carrying its
+    /// cause's ids and trace.
+    pub async fn send<E: IntegrationEvent>(&mut self, queue: &str, message: &Message<E>) -> Result<()> {
+        let cause = self.cause()?;
+        let outgoing = outgoing(self.state.outbox.as_ref(), cause, To::Queue(queue), message)?;
+        self.state.outgoing.push(outgoing);
+        Ok(())
+    }
+
+    /// [`send`](Self::send), as a follow-up of `cause` (one of
+    /// [`contexts`](Self::contexts), in a batch).
+    pub async fn send_caused_by<E: IntegrationEvent>(
+        &mut self,
+        cause: &MessageContext,
+        queue: &str,
+        message: &Message<E>,
+    ) -> Result<()> {
+        let outgoing = outgoing(self.state.outbox.as_ref(), Some(cause), To::Queue(queue), message)?;
         self.state.outgoing.push(outgoing);
         Ok(())
     }
@@ -575,15 +612,28 @@ impl UnitOfWork {
     }
 }
 
+/// Where a staged message goes.
+#[derive(Debug, Clone, Copy)]
+enum To<'a> {
+    /// To whoever subscribes: `message_bus.exchange` with this routing
+    /// key; on MassTransit's wire, the type's exchange.
+    Subscribers(&'a str),
+    /// To this one queue, through the default exchange.
+    Queue(&'a str),
+}
+
 /// The row `message` stages through `outbox`, as a follow-up of `cause` if
 /// it is one; refused here, in the caller's transaction, when the broker
 /// would never take it.
 fn outgoing<E: IntegrationEvent>(
     outbox: Option<&Outbox>,
     cause: Option<&MessageContext>,
-    routing_key: &str,
+    to: To<'_>,
     message: &Message<E>,
 ) -> Result<Outgoing> {
+    let routing_key = match to {
+        To::Subscribers(routing_key) | To::Queue(routing_key) => routing_key,
+    };
     let Some(outbox) = outbox else {
         return Err(Error::new(
             crate::ErrorKind::Usage,
@@ -609,7 +659,11 @@ fn outgoing<E: IntegrationEvent>(
         Wire::Inbox => {
             let mut headers = follow_up_headers(cause, trace);
             set_own(&mut headers);
-            (outbox.exchange.to_string(), headers, json)
+            let exchange = match to {
+                To::Subscribers(_) => outbox.exchange.to_string(),
+                To::Queue(_) => String::new(),
+            };
+            (exchange, headers, json)
         }
         // MassTransit publishes to the type's own fanout exchange, in
         // its envelope, with what its consumers carry on.
@@ -626,7 +680,11 @@ fn outgoing<E: IntegrationEvent>(
                 cause,
                 headers.envelope,
             )?;
-            (E::TYPE.to_owned(), headers.amqp, envelope)
+            let exchange = match to {
+                To::Subscribers(_) => E::TYPE.to_owned(),
+                To::Queue(_) => String::new(),
+            };
+            (exchange, headers.amqp, envelope)
         }
     };
     let outgoing = Outgoing {
@@ -757,7 +815,8 @@ mod tests {
     }
 
     #[test]
-    fn a_messages_own_header_goes_out_on_both_wires_and_in_masstransits_envelope() {
+    fn a_message_sent_goes_to_its_queue_and_one_published_to_subscribers_with_its_own_headers_on_both_wires()
+    {
         for wire in [Wire::Inbox, Wire::Masstransit] {
             let outbox = Outbox {
                 exchange: "events".into(),
@@ -767,7 +826,28 @@ mod tests {
                 after_commit: None,
             };
             let message = Message::new(Shipped { order: 7 }).with_header("tenant", "acme");
-            let staged = outgoing(Some(&outbox), None, "q", &message).unwrap();
+            let staged = outgoing(Some(&outbox), None, To::Subscribers("q"), &message).unwrap();
+            let expected = match wire {
+                Wire::Inbox => "events",
+                Wire::Masstransit => "Shop:Shipped",
+            };
+            assert_eq!(
+                (staged.exchange.as_str(), staged.routing_key.as_str()),
+                (expected, "q")
+            );
+            let sent = outgoing(Some(&outbox), None, To::Queue("billing"), &message).unwrap();
+            assert_eq!(
+                (sent.exchange.as_str(), sent.routing_key.as_str()),
+                ("", "billing"),
+                "{wire:?}"
+            );
+            if wire == Wire::Masstransit {
+                let envelope: serde_json::Value = serde_json::from_slice(&sent.body).unwrap();
+                assert!(
+                    envelope["messageType"].is_array(),
+                    "sent in its envelope too: {envelope}"
+                );
+            }
             assert!(
                 staged.headers.contains(&("tenant".to_owned(), "acme".to_owned())),
                 "{wire:?}: {:?}",
@@ -778,7 +858,10 @@ mod tests {
                 assert_eq!(envelope["headers"]["tenant"], "acme");
             }
             let refused = Message::new(Shipped { order: 8 }).with_header("MT-Activity-Id", "x");
-            assert!(outgoing(Some(&outbox), None, "q", &refused).is_err(), "{wire:?}");
+            assert!(
+                outgoing(Some(&outbox), None, To::Queue("q"), &refused).is_err(),
+                "{wire:?}"
+            );
         }
     }
 

@@ -1182,3 +1182,59 @@ async fn a_handler_sets_a_header_of_its_own_on_a_follow_up_beside_the_carried_on
         "the carried headers stay"
     );
 }
+
+/// Sends each event's follow-up to one queue, whatever the exchange.
+struct SendOn {
+    queue: String,
+}
+
+impl EventHandler<Counted> for SendOn {
+    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        uow.send(
+            &self.queue,
+            &Message::new(Counted {
+                key: event.key + 1000,
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_message_sent_goes_straight_to_its_queue_whatever_exchange_publishing_uses() {
+    let (env, forward) = with_forward_queue("outbox_send").await;
+    let mut settings = env.settings();
+    // Publishing goes to a topic exchange nothing is bound to.
+    settings.message_bus.exchange = format!("{}.events", env.queue);
+    let runtime = Runtime::builder(settings.valid())
+        .handler(SendOn {
+            queue: forward.clone(),
+        })
+        .start()
+        .await
+        .unwrap();
+    for key in 1..4 {
+        let properties = rabbit_inbox::tools::lapin::BasicProperties::default()
+            .with_message_id(uuid::Uuid::now_v7().to_string().into())
+            .with_type("Counted".into());
+        env.publish_raw(properties, format!(r#"{{"key": {key}}}"#).as_bytes())
+            .await;
+    }
+    wait_until("the three sent arrive", || async {
+        env.ready(&forward).await == 3
+    })
+    .await;
+    runtime.shutdown().await;
+    let (_, mut keys) = drain(&forward).await;
+    keys.sort_unstable();
+    assert_eq!(keys, [1001, 1002, 1003]);
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    let _ = channel
+        .exchange_delete(
+            format!("{}.events", env.queue).as_str().into(),
+            Default::default(),
+        )
+        .await;
+}
