@@ -524,12 +524,7 @@ pub(crate) fn address(host: &str, port: u16, vhost: &str, entity: &str) -> Strin
 /// `Uri.EscapeDataString`: everything but RFC 3986's unreserved characters
 /// percent-encoded.
 fn escape(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
-            other => format!("%{other:02X}"),
-        })
-        .collect()
+    crate::settings::percent_encode(text)
 }
 
 /// A failure, as MassTransit's error queue headers say it.

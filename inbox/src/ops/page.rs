@@ -452,16 +452,7 @@ async fn render_index(request: &HttpRequest, plane: &Plane, session: &Session) -
 }
 
 fn url_encoded(text: &str) -> String {
-    let mut out = String::new();
-    for byte in text.bytes() {
-        match byte {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => out.push(char::from(byte)),
-            _ => {
-                let _ = write!(out, "%{byte:02X}");
-            }
-        }
-    }
-    out
+    crate::settings::percent_encode(text)
 }
 
 fn failure_row(mount: &str, failure: &FailureSummary) -> String {

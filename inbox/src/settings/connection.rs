@@ -153,18 +153,18 @@ impl DatabaseSettings {
     }
 }
 
+/// Every byte but the unreserved ones of RFC 3986 (letters, digits,
+/// `-._~`): what a URL's path segment or query value encodes.
+const NOT_UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// `text` with every byte but the unreserved ones of RFC 3986 as `%XX`, as
-/// a URL's path segment.
-fn percent_encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
-            out.push(char::from(byte));
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
+/// a URL's path segment or query value.
+pub(crate) fn percent_encode(text: &str) -> String {
+    percent_encoding::utf8_percent_encode(text, NOT_UNRESERVED).to_string()
 }
 
 /// Where the broker `url` names is, for logs and errors: `host:port`, then

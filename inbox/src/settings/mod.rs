@@ -21,7 +21,7 @@ mod tests;
 mod tls;
 mod validate;
 
-pub(crate) use connection::{broker_endpoint, redact};
+pub(crate) use connection::{broker_endpoint, percent_encode, redact};
 pub(crate) use tls::{BrokerTls, without_amqp_tls_params};
 pub use validate::ValidSettings;
 pub(crate) use validate::{MAX_DELIVERY_LIMIT, no_broker};
