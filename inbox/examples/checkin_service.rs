@@ -243,11 +243,10 @@ async fn serve(
     .bind(address)
     .map_err(|e| common::BoxError::from(format!("--http {address}: cannot listen: {e}")))?
     .run();
-    match access_served {
-        true => {
-            tracing::info!(%address, "serving /health/live, /health/ready, /metrics and the operator plane at /ops/")
-        }
-        false => tracing::info!(%address, "serving /health/live, /health/ready and /metrics"),
+    // The first line as it always was: scripts wait for it.
+    tracing::info!(%address, "serving /health/live, /health/ready and /metrics");
+    if access_served {
+        tracing::info!(%address, "serving the operator plane: the page at /ops/, the API at /ops/v1/");
     }
     let http = server.handle();
     let (stop, stopped) = tokio::sync::oneshot::channel();

@@ -62,9 +62,11 @@ fn time(at: SystemTime) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
 }
 
-/// A signed-in page request: who, and the session's form token.
+/// A signed-in page request: who, its session cookie's value, and the
+/// session's form token.
 struct Session {
     who: Operator,
+    cookie: String,
     form_token: String,
 }
 
@@ -79,7 +81,11 @@ fn session(request: &HttpRequest, plane: &Plane) -> Option<Session> {
         .map(|(_, value)| value.to_owned())?;
     let who = plane.access.session_of(&cookie, SystemTime::now())?;
     let form_token = plane.access.form_token(&cookie)?;
-    Some(Session { who, form_token })
+    Some(Session {
+        who,
+        cookie,
+        form_token,
+    })
 }
 
 /// The page around `body`; `refresh`: reload every second.
@@ -200,17 +206,8 @@ fn form_session(
     let Some(session) = session(request, plane) else {
         return Err(Box::new(login_page(plane, false)));
     };
-    let cookie = request
-        .headers()
-        .get_all(header::COOKIE)
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == COOKIE)
-        .map(|(_, value)| value)
-        .unwrap_or_default();
     let presented = form.get("form_token").map(String::as_str).unwrap_or_default();
-    if !plane.access.is_form_token(cookie, presented) {
+    if !plane.access.is_form_token(&session.cookie, presented) {
         return Err(Box::new(error_page(
             plane,
             Some(&session),

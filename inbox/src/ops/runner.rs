@@ -59,8 +59,41 @@ pub(crate) struct Advanced {
     pub(crate) staged: u64,
 }
 
-/// Advances one due job by a slice, if one is due and free.
+/// How long a job whose slice failed waits before it is tried again.
+const AFTER_A_FAILED_SLICE: Duration = Duration::from_secs(30);
+
+/// Advances one due job by a slice, if one is due and free. A slice that
+/// fails with the database still there (a row it cannot stage) rolls
+/// back, and its job waits [`AFTER_A_FAILED_SLICE`] before it is tried
+/// again, said at WARN: the other jobs, due before it again, go on.
 pub(crate) async fn advance(client: &mut tokio_postgres::Client, pause_at: f64) -> OpsResult<Advanced> {
+    let mut taken = None;
+    let failed = match advance_taken(client, pause_at, &mut taken).await {
+        Ok(advanced) => return Ok(advanced),
+        Err(failed) => failed,
+    };
+    let Some(job) = taken.filter(|_| !client.is_closed()) else {
+        return Err(failed);
+    };
+    tracing::warn!(%job, error = %failed, "a redrive's slice failed and was rolled back; the job is tried again in {AFTER_A_FAILED_SLICE:?}");
+    client
+        .execute(
+            "UPDATE inbox_ops_jobs SET next_at = now() + $2 * interval '1 second' WHERE id = $1",
+            &[&job, &AFTER_A_FAILED_SLICE.as_secs_f64()],
+        )
+        .await?;
+    Ok(Advanced {
+        job: Some(job),
+        staged: 0,
+    })
+}
+
+/// [`advance`], noting in `taken` the job it took.
+async fn advance_taken(
+    client: &mut tokio_postgres::Client,
+    pause_at: f64,
+    taken: &mut Option<Uuid>,
+) -> OpsResult<Advanced> {
     let tx = client.transaction().await?;
     let Some(job) = tx
         .query_opt(
@@ -74,6 +107,7 @@ pub(crate) async fn advance(client: &mut tokio_postgres::Client, pause_at: f64) 
         return Ok(Advanced::default());
     };
     let id: Uuid = job.try_get("id")?;
+    *taken = Some(id);
     let rate: Option<i32> = job.try_get("rate_per_second")?;
     let paced_to: SystemTime = job.try_get("next_at")?;
     let done: i32 = job.try_get("done")?;

@@ -858,3 +858,64 @@ async fn a_redrive_whose_messages_fail_again_pauses_itself_and_says_why() {
     .await;
     runtime.shutdown().await;
 }
+
+#[actix_rt::test]
+async fn a_job_whose_slice_fails_waits_and_holds_up_no_other_job() {
+    let env = TestEnv::new("ops_poison_job").await;
+    let handler = RefuseUntilFixed::default();
+    let (runtime, ids) = with_failures(&env, 100..102, &handler).await;
+    handler.fixed.store(true, Ordering::SeqCst);
+    // The database refuses to stage the first message again.
+    env.db()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.message_id = '{}' THEN RAISE EXCEPTION 'refused for the test'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_one BEFORE INSERT ON outbox_messages
+                 FOR EACH ROW EXECUTE FUNCTION refuse_one();",
+            ids[0]
+        ))
+        .await
+        .unwrap();
+    let failure_of = |id: Uuid| {
+        let env = &env;
+        async move {
+            env.db()
+                .await
+                .query_one("SELECT id FROM inbox_failures WHERE message_id = $1", &[&id])
+                .await
+                .unwrap()
+                .get::<_, Uuid>(0)
+        }
+    };
+    let (poisoned, healthy) = (failure_of(ids[0]).await, failure_of(ids[1]).await);
+    let ops = runtime.operations();
+    let otto = Operator::new("otto", Role::Operator);
+    let first = ops
+        .redrive(&otto, &Selection::Ids(vec![poisoned]), None, None, false)
+        .await
+        .unwrap();
+    let second = ops
+        .redrive(&otto, &Selection::Ids(vec![healthy]), None, None, false)
+        .await
+        .unwrap();
+    wait_until("the other job is done and its message applied", || async {
+        ops.job(second.id).await.is_ok_and(|job| job.status == "done") && env.count("counts", 101).await == 1
+    })
+    .await;
+    let stuck = ops.job(first.id).await.unwrap();
+    assert_eq!(
+        (stuck.status.as_str(), stuck.done),
+        ("running", 0),
+        "rolled back, tried again later"
+    );
+    assert_eq!(
+        ops.failure(poisoned).await.unwrap().summary.status,
+        "redriving",
+        "still held by its job, from any other redrive"
+    );
+    runtime.shutdown().await;
+}
