@@ -77,7 +77,8 @@ use actix_web::{App, HttpResponse, HttpServer, web};
 use common::{AttendeeCheckedIn, CheckIn, CountAttendance, CountCheckins, ForwardCheckins};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rabbit_inbox::{
-    EventHandler, HandlerError, IntegrationEvent, Monitor, Probe, Runtime, RuntimeBuilder, UnitOfWork, Wire,
+    EventHandler, HandlerError, IntegrationEvent, MessageContext, Monitor, Probe, Runtime, RuntimeBuilder,
+    UnitOfWork, Wire,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -317,7 +318,12 @@ struct AbortOn {
 }
 
 impl<E: CheckIn> EventHandler<E> for AbortOn {
-    async fn handle(&self, event: &E, _uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &E,
+        _context: &MessageContext,
+        _uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.attendee_id() == self.attendee_id {
             eprintln!(
                 "checkin_service: aborting on attendee {} (--abort-on-attendee)",

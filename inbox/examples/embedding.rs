@@ -3,7 +3,8 @@
 //! `cargo run --example embedding`.
 
 use rabbit_inbox::{
-    EventHandler, HandlerError, IntegrationEvent, Migration, QueueSettings, Runtime, Settings, UnitOfWork,
+    EventHandler, HandlerError, IntegrationEvent, MessageContext, Migration, QueueSettings, Runtime,
+    Settings, UnitOfWork,
 };
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -19,7 +20,12 @@ impl IntegrationEvent for AttendeeCheckedIn {
 struct CountCheckins;
 
 impl EventHandler<AttendeeCheckedIn> for CountCheckins {
-    async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &AttendeeCheckedIn,
+        _message: &MessageContext, // its id, headers, attempt, correlation
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         // Runs inside the message's transaction, with the inbox row.
         uow.client()
             .execute(

@@ -1,5 +1,5 @@
 //! [`MessageContext`]: what a handler knows of the message it handles,
-//! through its unit of work.
+//! given to it beside the event.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -17,10 +17,11 @@ pub const CORRELATION_ID: &str = "correlation_id";
 /// The header that names the message a follow-up was staged for.
 pub const CAUSATION_ID: &str = "causation_id";
 
-/// One message being handled: its identity and where it came from. Read it
-/// in a handler with [`UnitOfWork::context`](crate::UnitOfWork::context)
-/// (one message) or [`UnitOfWork::contexts`](crate::UnitOfWork::contexts)
-/// (a batch, in the order of its events).
+/// One message being handled: its identity and where it came from. A
+/// handler is given it beside its event
+/// ([`EventHandler::handle`](crate::EventHandler::handle)), or one per
+/// event in a batch
+/// ([`EventHandler::handle_batch`](crate::EventHandler::handle_batch)).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct MessageContext {

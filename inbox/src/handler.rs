@@ -4,6 +4,7 @@ use std::future::Future;
 
 use futures_util::future::BoxFuture;
 
+use crate::context::MessageContext;
 use crate::error::HandlerError;
 use crate::event::IntegrationEvent;
 use crate::unit_of_work::UnitOfWork;
@@ -21,12 +22,18 @@ use crate::unit_of_work::UnitOfWork;
 /// # #[derive(serde::Serialize, serde::Deserialize)]
 /// # struct AttendeeCheckedIn { attendee_id: i64, session_id: i64 }
 /// # impl rabbit_inbox::IntegrationEvent for AttendeeCheckedIn { const TYPE: &'static str = "AttendeeCheckedIn"; }
-/// use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
+/// use rabbit_inbox::{EventHandler, HandlerError, MessageContext, UnitOfWork};
 ///
 /// struct CountCheckins;
 ///
 /// impl EventHandler<AttendeeCheckedIn> for CountCheckins {
-///     async fn handle(&self, event: &AttendeeCheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+///     async fn handle(
+///         &self,
+///         event: &AttendeeCheckedIn,
+///         message: &MessageContext,
+///         uow: &mut UnitOfWork,
+///     ) -> Result<(), HandlerError> {
+///         tracing::debug!(message_id = %message.message_id, attempt = message.attempt, "counting");
 ///         uow.client()
 ///             .execute(
 ///                 "INSERT INTO attendee_checkins VALUES ($1, 1)
@@ -39,19 +46,21 @@ use crate::unit_of_work::UnitOfWork;
 /// }
 /// ```
 pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
-    /// Applies `event` through `uow`.
+    /// Applies `event`, which came in the message `context` describes (its
+    /// id, attempt, correlation), through `uow`.
     fn handle(
         &self,
         event: &E,
+        context: &MessageContext,
         uow: &mut UnitOfWork,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Applies several events through one `uow`, in delivery order: the
-    /// messages of one batch (`queues[].batch_size` above 1). The default
-    /// calls [`handle`](Self::handle) for each event, with that event's
-    /// message as [`UnitOfWork::context`], so that a handler written for
-    /// one message reads its own message's context and stamps its ids on
-    /// the follow-ups it stages, whatever the batch size.
+    /// messages of one batch (`queues[].batch_size` above 1), `contexts[i]`
+    /// the message of `events[i]`. The default calls
+    /// [`handle`](Self::handle) for each event with its own message, and
+    /// the follow-ups that call stages with [`UnitOfWork::publish`] carry
+    /// that message's ids, whatever the batch size.
     ///
     /// Override it to write a whole batch in a few set-based statements
     /// instead of a few statements per event: that is what makes batches
@@ -62,20 +71,19 @@ pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
     /// failure path alone, the others commit. When several handlers are
     /// registered, each handles the whole batch before the next starts.
     ///
-    /// An override handles every message at once: `uow.context()` is
-    /// `None` there, `uow.contexts()[i]` is the message of `events[i]`, and
-    /// a follow-up is staged with
-    /// [`publish_caused_by`](UnitOfWork::publish_caused_by) naming its
-    /// cause (`publish` refuses to guess it).
+    /// An override handles every message at once, so a follow-up is
+    /// staged there with [`publish_caused_by`](UnitOfWork::publish_caused_by)
+    /// naming its cause, `&contexts[i]` (`publish` refuses to guess it).
     fn handle_batch(
         &self,
         events: &[E],
+        contexts: &[MessageContext],
         uow: &mut UnitOfWork,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         async move {
-            for (i, event) in events.iter().enumerate() {
+            for (i, (event, context)) in events.iter().zip(contexts).enumerate() {
                 uow.focus(Some(i));
-                let handled = self.handle(event, uow).await;
+                let handled = self.handle(event, context, uow).await;
                 uow.focus(None);
                 handled?;
             }
@@ -93,12 +101,17 @@ pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
 /// every handler.
 pub(crate) trait DynEventHandler<E>: Send + Sync + 'static {
     /// See [`EventHandler::handle`].
-    fn handle<'a>(&'a self, event: &'a E, uow: &'a mut UnitOfWork)
-    -> BoxFuture<'a, Result<(), HandlerError>>;
+    fn handle<'a>(
+        &'a self,
+        event: &'a E,
+        context: &'a MessageContext,
+        uow: &'a mut UnitOfWork,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
     /// See [`EventHandler::handle_batch`].
     fn handle_batch<'a>(
         &'a self,
         events: &'a [E],
+        contexts: &'a [MessageContext],
         uow: &'a mut UnitOfWork,
     ) -> BoxFuture<'a, Result<(), HandlerError>>;
     /// See [`EventHandler::name`].
@@ -109,17 +122,19 @@ impl<E: IntegrationEvent, H: EventHandler<E>> DynEventHandler<E> for H {
     fn handle<'a>(
         &'a self,
         event: &'a E,
+        context: &'a MessageContext,
         uow: &'a mut UnitOfWork,
     ) -> BoxFuture<'a, Result<(), HandlerError>> {
-        Box::pin(EventHandler::handle(self, event, uow))
+        Box::pin(EventHandler::handle(self, event, context, uow))
     }
 
     fn handle_batch<'a>(
         &'a self,
         events: &'a [E],
+        contexts: &'a [MessageContext],
         uow: &'a mut UnitOfWork,
     ) -> BoxFuture<'a, Result<(), HandlerError>> {
-        Box::pin(EventHandler::handle_batch(self, events, uow))
+        Box::pin(EventHandler::handle_batch(self, events, contexts, uow))
     }
 
     fn name(&self) -> &'static str {

@@ -10,7 +10,7 @@
 //! system, and end it with a signal.
 //!
 //! ```no_run
-//! use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Migration, Runtime, Settings, UnitOfWork};
+//! use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Migration, Runtime, Settings, UnitOfWork};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct OrderPlaced { order_id: i64 }
@@ -22,7 +22,7 @@
 //! struct RecordOrder;
 //!
 //! impl EventHandler<OrderPlaced> for RecordOrder {
-//!     async fn handle(&self, event: &OrderPlaced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+//!     async fn handle(&self, event: &OrderPlaced, _context: &MessageContext, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
 //!         // In the message's transaction, with its inbox row: once, or not at all.
 //!         uow.client().execute("INSERT INTO orders (id) VALUES ($1)", &[&event.order_id]).await?;
 //!         Ok(())

@@ -1,11 +1,12 @@
-//! A test kit for handlers (feature `testing`): runs a handler on a
-//! message the test makes, in a real PostgreSQL transaction, without
-//! RabbitMQ or a runtime, and says what the runtime would do: commit, retry
-//! or set aside, with the reason, and what the handler staged.
+//! A test kit for handlers (feature `testing`): runs a handler, or every
+//! handler of a message's type, on a message the test makes, in a real
+//! PostgreSQL transaction, without RabbitMQ or a runtime, and says what the
+//! runtime would do: commit, retry or set aside, with the reason, and what
+//! the handlers staged.
 //!
 //! ```no_run
 //! use rabbit_inbox::testing::{TestKit, Verdict};
-//! use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Message, Permanent, UnitOfWork};
+//! use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Message, MessageContext, Permanent, UnitOfWork};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct Refund { order: i64, cents: i64 }
@@ -13,7 +14,7 @@
 //!
 //! struct IssueRefund;
 //! impl EventHandler<Refund> for IssueRefund {
-//!     async fn handle(&self, refund: &Refund, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+//!     async fn handle(&self, refund: &Refund, _: &MessageContext, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
 //!         if refund.cents <= 0 { return Err(Permanent::new("nothing to refund").into()) }
 //!         uow.client().execute("INSERT INTO refunds VALUES ($1, $2)", &[&refund.order, &refund.cents]).await?;
 //!         uow.publish("billing", &Message::new(Refund { order: refund.order, cents: refund.cents })).await?;
@@ -29,9 +30,15 @@
 //! assert_eq!(ran.staged[0].routing_key, "billing");
 //! let ran = kit.deliver(Message::new(Refund { order: 8, cents: 0 })).handled_by(&IssueRefund).await?;
 //! assert_eq!(ran.verdict, Verdict::SetAside { reason: "nothing to refund".into() });
+//!
+//! // Or every handler of the type, registered as the service registers them:
+//! let kit = kit.handler::<Refund, _>(IssueRefund);
+//! let ran = kit.deliver(Message::new(Refund { order: 9, cents: 100 })).handled().await?;
+//! assert_eq!(ran.verdict, Verdict::Committed);
 //! # Ok(()) }
 //! ```
 
+use std::any::Any;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -40,26 +47,37 @@ use futures_util::FutureExt;
 use uuid::Uuid;
 
 use crate::envelope::Envelope;
+use crate::handler::DynEventHandler;
 use crate::unit_of_work::Outbox;
 use crate::{
     EventHandler, IntegrationEvent, Message, MessageContext, Permanent, Result, Settings, UnitOfWork, Wire,
 };
 
-/// Runs handlers as the runtime does, on the database of its settings.
+/// Runs handlers as the runtime does, on the database of its settings:
+/// one handler ([`Delivery::handled_by`]), or every handler registered with
+/// the kit for the message's type ([`Delivery::handled`]), in registration
+/// order in one transaction, as a queue's handlers run.
 #[derive(Clone)]
 pub struct TestKit {
     pool: Pool,
     wire: Wire,
     max_message_size: usize,
+    /// Each an `Arc<dyn DynEventHandler<E>>` for its event type `E`, in
+    /// registration order.
+    handlers: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for TestKit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TestKit")
             .field("wire", &self.wire)
+            .field("handlers", &self.handlers.len())
             .finish_non_exhaustive()
     }
 }
+
+/// A handler of `E`, as the kit keeps it.
+type Registered<E> = Arc<dyn DynEventHandler<E>>;
 
 /// What the runtime would do with the message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,7 +152,19 @@ impl TestKit {
             pool: crate::db::create_pool(settings)?,
             wire: settings.message_bus.wire,
             max_message_size: settings.message_bus.max_message_size,
+            handlers: Vec::new(),
         })
+    }
+
+    /// Registers `handler` for `E`, as
+    /// [`RuntimeBuilder::handler`](crate::RuntimeBuilder::handler) does:
+    /// [`Delivery::handled`] runs every handler of the message's type, in
+    /// this order.
+    #[must_use]
+    pub fn handler<E: IntegrationEvent, H: EventHandler<E>>(mut self, handler: H) -> Self {
+        let registered: Registered<E> = Arc::new(handler);
+        self.handlers.push(Arc::new(registered));
+        self
     }
 
     /// `message`, delivered for the first time (see [`Delivery`] for a
@@ -168,6 +198,35 @@ impl<E: IntegrationEvent> Delivery<'_, E> {
     /// runs it: the body decoded from its JSON as the runtime decodes it,
     /// the context a handler reads, commit or rollback.
     pub async fn handled_by<H: EventHandler<E>>(self, handler: &H) -> Result<Ran> {
+        self.run(&[handler]).await
+    }
+
+    /// Runs every handler registered with the kit for `E` on it (see
+    /// [`TestKit::handler`]), in one transaction and in registration
+    /// order, as the runtime runs a type's handlers: the first to fail
+    /// rolls back the others' writes too. Fails, naming the type, when the
+    /// kit has none for it: a test of nothing.
+    pub async fn handled(self) -> Result<Ran> {
+        let registered: Vec<Registered<E>> = self
+            .kit
+            .handlers
+            .iter()
+            .filter_map(|h| h.downcast_ref::<Registered<E>>().cloned())
+            .collect();
+        if registered.is_empty() {
+            return Err(crate::Error::new(
+                crate::ErrorKind::Usage,
+                format!(
+                    "the test kit has no handler for `{}`: register them with `TestKit::handler`",
+                    E::TYPE
+                ),
+            ));
+        }
+        let handlers: Vec<&dyn DynEventHandler<E>> = registered.iter().map(|h| &**h).collect();
+        self.run(&handlers).await
+    }
+
+    async fn run(self, handlers: &[&dyn DynEventHandler<E>]) -> Result<Ran> {
         let mut envelope = Envelope::from_message(&self.message, "test")?;
         envelope.redelivered = self.redelivered;
         envelope.attempt = self.attempt;
@@ -191,10 +250,16 @@ impl<E: IntegrationEvent> Delivery<'_, E> {
         };
         let connection = self.kit.pool.get().await.map_err(crate::Error::client)?;
         let mut uow = UnitOfWork::begin(connection.into()).await?.with_outbox(outbox);
-        uow.set_contexts(vec![MessageContext::of(&envelope)]);
-        let handled = AssertUnwindSafe(handler.handle(&event, &mut uow))
-            .catch_unwind()
-            .await;
+        let context: Arc<[MessageContext]> = Arc::new([MessageContext::of(&envelope)]);
+        uow.set_contexts(context.clone());
+        let handled = AssertUnwindSafe(async {
+            for handler in handlers {
+                handler.handle(&event, &context[0], &mut uow).await?;
+            }
+            Ok::<_, crate::HandlerError>(())
+        })
+        .catch_unwind()
+        .await;
         let verdict = match handled {
             Ok(Ok(())) => match uow.commit().await {
                 Ok(()) => Verdict::Committed,

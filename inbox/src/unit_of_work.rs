@@ -2,6 +2,7 @@
 //! the pool unfinished.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 use deadpool_postgres::{ClientWrapper, Object};
 use futures_util::FutureExt;
@@ -67,10 +68,11 @@ struct State {
     outbox: Option<Outbox>,
     /// The messages its handlers are handling now, in the order of their
     /// events.
-    contexts: Vec<MessageContext>,
+    /// Shared with the handlers, which are given them as arguments.
+    contexts: Arc<[MessageContext]>,
     /// Which of `contexts` a batch's default `handle_batch` is handling
-    /// now through `handle`: the one [`context`](UnitOfWork::context)
-    /// returns and [`publish`](UnitOfWork::publish) stamps.
+    /// now through `handle`: the one [`publish`](UnitOfWork::publish)
+    /// stamps.
     focus: Option<usize>,
     /// The messages staged with [`publish`](UnitOfWork::publish), in staging
     /// order: written to `outbox_messages` with the `COMMIT` (the outbox
@@ -116,14 +118,14 @@ enum Prepared {
 #[derive(Debug, Clone)]
 pub(crate) struct Outbox {
     /// `message_bus.exchange`; shared, since every unit of work gets a copy.
-    pub(crate) exchange: std::sync::Arc<str>,
+    pub(crate) exchange: Arc<str>,
     /// `message_bus.max_message_size`: the largest body staged.
     pub(crate) max_message_size: usize,
     /// `message_bus.wire`: MassTransit's stages each message to its type's
     /// exchange, in its envelope.
     pub(crate) wire: Wire,
     /// Notified after a commit that staged messages.
-    pub(crate) wake: std::sync::Arc<tokio::sync::Notify>,
+    pub(crate) wake: Arc<tokio::sync::Notify>,
     /// `None`: staged as rows of `outbox_messages`. `Some`: held in memory
     /// and handed here once the transaction has committed
     /// (`message_bus.enable_outbox` off; a crash in between loses them).
@@ -156,7 +158,7 @@ impl UnitOfWork {
                 recorded_at_savepoint: Vec::new(),
                 nested_scopes: 0,
                 outbox: None,
-                contexts: Vec::new(),
+                contexts: Arc::new([]),
                 focus: None,
                 outgoing: Vec::new(),
                 outgoing_at_savepoint: 0,
@@ -259,32 +261,9 @@ impl UnitOfWork {
         self
     }
 
-    /// The message being handled, in a handler's `handle`, whatever the
-    /// batch size: when a batch runs through the default
-    /// [`handle_batch`](crate::EventHandler::handle_batch), each call of
-    /// `handle` sees its own message here. `None` in application code, and
-    /// in an overridden `handle_batch`, which handles every message of the
-    /// batch at once (see [`contexts`](Self::contexts)).
-    pub fn context(&self) -> Option<&MessageContext> {
-        match (self.state.focus, self.state.contexts.as_slice()) {
-            (Some(i), contexts) => contexts.get(i),
-            (None, [one]) => Some(one),
-            (None, _) => None,
-        }
-    }
-
-    /// The messages being handled, in the order of the events a handler
-    /// was given (one in `handle`, the batch's in `handle_batch`).
-    pub fn contexts(&self) -> &[MessageContext] {
-        match self.state.focus {
-            Some(i) => self.state.contexts.get(i..=i).unwrap_or_default(),
-            None => &self.state.contexts,
-        }
-    }
-
     /// Tells the unit of work which messages its handlers handle now (the
     /// runtime does, before the handlers run).
-    pub(crate) fn set_contexts(&mut self, contexts: Vec<MessageContext>) {
+    pub(crate) fn set_contexts(&mut self, contexts: Arc<[MessageContext]>) {
         self.state.contexts = contexts;
         self.state.focus = None;
     }
@@ -301,14 +280,19 @@ impl UnitOfWork {
     /// follow-up without its cause's ids would break its flow's
     /// correlation without a word: refused, naming the way to say it.
     fn cause(&self) -> Result<Option<&MessageContext>> {
-        match self.context() {
+        let handling = match (self.state.focus, &*self.state.contexts) {
+            (Some(i), contexts) => contexts.get(i),
+            (None, [one]) => Some(one),
+            (None, _) => None,
+        };
+        match handling {
             Some(cause) => Ok(Some(cause)),
             None if self.state.contexts.is_empty() => Ok(None),
             None => Err(Error::new(
                 crate::ErrorKind::Usage,
                 format!(
                     "`publish` in `handle_batch` of a batch of {} messages: which message the follow-up \
-                     is caused by is unknown; stage it with `publish_caused_by(&uow.contexts()[i], ..)`",
+                     is caused by is unknown; stage it with `publish_caused_by(&contexts[i], ..)`",
                     self.state.contexts.len()
                 ),
             )),
@@ -334,8 +318,8 @@ impl UnitOfWork {
     /// Fails on a unit of work without an outbox (the in-process provider):
     /// nothing would dispatch the row.
     ///
-    /// Staged while a message is handled ([`context`](Self::context): in
-    /// `handle`, whatever the batch size), the follow-up carries its
+    /// Staged while a message is handled (in `handle`, whatever the batch
+    /// size), the follow-up carries its
     /// `correlation_id` (or its id, for the first of a flow), its id as
     /// `causation_id` and its trace; on MassTransit's wire, what a
     /// MassTransit consumer's follow-up gets instead (its headers but
@@ -360,7 +344,7 @@ impl UnitOfWork {
     }
 
     /// [`publish`](Self::publish), as a follow-up of `cause` (one of
-    /// [`contexts`](Self::contexts), in a batch).
+    /// the `contexts` of [`handle_batch`](crate::EventHandler::handle_batch)).
     pub async fn publish_caused_by<E: IntegrationEvent>(
         &mut self,
         cause: &MessageContext,
@@ -391,8 +375,8 @@ impl UnitOfWork {
         Ok(())
     }
 
-    /// [`send`](Self::send), as a follow-up of `cause` (one of
-    /// [`contexts`](Self::contexts), in a batch).
+    /// [`send`](Self::send), as a follow-up of `cause` (one of the
+    /// `contexts` of [`handle_batch`](crate::EventHandler::handle_batch)).
     pub async fn send_caused_by<E: IntegrationEvent>(
         &mut self,
         cause: &MessageContext,
@@ -822,7 +806,7 @@ mod tests {
                 exchange: "events".into(),
                 max_message_size: 1 << 20,
                 wire,
-                wake: std::sync::Arc::default(),
+                wake: Arc::default(),
                 after_commit: None,
             };
             let message = Message::new(Shipped { order: 7 }).with_header("tenant", "acme");

@@ -6,7 +6,8 @@
 
 use rabbit_inbox::tokio_postgres::types::ToSql;
 use rabbit_inbox::{
-    EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
+    EventHandler, HandlerError, IntegrationEvent, MessageContext, QueueSettings, Settings, UnitOfWork,
+    ValidSettings,
 };
 use serde::{Deserialize, Serialize};
 
@@ -144,14 +145,24 @@ pub(crate) mod masstransit {
 pub(crate) struct CountCheckins;
 
 impl<E: CheckIn> EventHandler<E> for CountCheckins {
-    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &E,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         refuse_negative(event)?;
         execute(uow, COUNT_CHECKIN, &[&event.attendee_id()]).await
     }
 
     /// One statement for the batch. A negative id fails the batch: the
     /// runtime then runs its messages one at a time, and only that one fails.
-    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle_batch(
+        &self,
+        events: &[E],
+        _contexts: &[MessageContext],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         events.iter().try_for_each(refuse_negative)?;
         let ids: Vec<i64> = events.iter().map(CheckIn::attendee_id).collect();
         execute(uow, COUNT_CHECKINS, &[&ids]).await
@@ -197,26 +208,41 @@ pub(crate) struct ForwardCheckins {
 }
 
 impl<E: CheckIn> EventHandler<E> for ForwardCheckins {
-    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let source = uow.context().ok_or("no message context")?.message_id;
+    async fn handle(
+        &self,
+        event: &E,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let source = context.message_id;
         uow.publish(&self.queue, &rabbit_inbox::Message::new(event.recorded(source)))
             .await?;
         Ok(())
     }
     // No `handle_batch`: one row staged per check-in either way, and the
-    // default runs `handle` with each message as `uow.context()`, whose ids
-    // `publish` stamps on its follow-up.
+    // default runs `handle` with each message and its own context, whose
+    // ids `publish` stamps on its follow-up.
 }
 
 /// Counts attendees per session.
 pub(crate) struct CountAttendance;
 
 impl<E: CheckIn> EventHandler<E> for CountAttendance {
-    async fn handle(&self, event: &E, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &E,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         execute(uow, COUNT_ATTENDANCE, &[&event.session_id()]).await
     }
 
-    async fn handle_batch(&self, events: &[E], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle_batch(
+        &self,
+        events: &[E],
+        _contexts: &[MessageContext],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         let ids: Vec<i64> = events.iter().map(CheckIn::session_id).collect();
         execute(uow, COUNT_ATTENDANCES, &[&ids]).await
     }

@@ -382,7 +382,8 @@ async fn run_handlers<E: IntegrationEvent>(
             }
         }
     }
-    uow.set_contexts(envelopes.iter().map(MessageContext::of).collect());
+    let contexts: Arc<[MessageContext]> = envelopes.iter().map(MessageContext::of).collect();
+    uow.set_contexts(contexts.clone());
     for handler in handlers.iter() {
         let name = handler.name();
         // Called inside the future that `catch_unwind` polls: a `handle`
@@ -390,8 +391,8 @@ async fn run_handlers<E: IntegrationEvent>(
         // is the handler's panic as much as one inside it.
         let handled = async {
             match events.as_slice() {
-                [event] => handler.handle(event, &mut uow).await,
-                events => handler.handle_batch(events, &mut uow).await,
+                [event] => handler.handle(event, &contexts[0], &mut uow).await,
+                events => handler.handle_batch(events, &contexts, &mut uow).await,
             }
         };
         match AssertUnwindSafe(handled).catch_unwind().await {

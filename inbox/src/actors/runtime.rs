@@ -374,7 +374,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// once: nothing waits for the messages in flight (see its `Drop`).
 ///
 /// ```no_run
-/// use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, Runtime, Settings, UnitOfWork};
+/// use rabbit_inbox::{EventHandler, HandlerError, IntegrationEvent, MessageContext, Runtime, Settings, UnitOfWork};
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct OrderPlaced { order_id: i64 }
@@ -386,7 +386,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 /// struct RecordOrder;
 ///
 /// impl EventHandler<OrderPlaced> for RecordOrder {
-///     async fn handle(&self, event: &OrderPlaced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+///     async fn handle(&self, event: &OrderPlaced, _context: &MessageContext, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
 ///         uow.client().execute("INSERT INTO orders (id) VALUES ($1)", &[&event.order_id]).await?;
 ///         Ok(())
 ///     }

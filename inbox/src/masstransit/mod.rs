@@ -921,27 +921,25 @@ pub(crate) struct SendAddress {
 impl SendAddress {
     /// The address `address` names, if it is a RabbitMQ one with a name.
     pub(crate) fn parse(address: &str) -> Option<Self> {
-        let (path, query) = match address.split_once('?') {
-            Some((path, query)) => (path, query),
-            None => (address, ""),
+        let url = url::Url::parse(address).ok()?;
+        // `rabbitmq://host/[vhost/]name`: the last segment; `queue:name`
+        // and `exchange:name` (URLs with no authority): the path.
+        let name = match url.scheme() {
+            "rabbitmq" | "rabbitmqs" => url.path_segments()?.next_back()?,
+            "exchange" | "queue" => url.path(),
+            _ => return None,
         };
-        let name = match path.split_once("://") {
-            Some(("rabbitmq" | "rabbitmqs", rest)) => rest.split('/').skip(1).last()?,
-            Some(_) => return None,
-            None => path
-                .strip_prefix("exchange:")
-                .or_else(|| path.strip_prefix("queue:"))?,
-        };
+        let name = percent_encoding::percent_decode_str(name).decode_utf8().ok()?;
         if name.is_empty() {
             return None;
         }
         let mut send = Self {
-            exchange: name.to_owned(),
+            exchange: name.into_owned(),
             kind: "fanout".to_owned(),
             durable: true,
             auto_delete: false,
         };
-        for (key, value) in query.split('&').filter_map(|pair| pair.split_once('=')) {
+        for (key, value) in url.query_pairs() {
             let yes = value.eq_ignore_ascii_case("true");
             match key.to_ascii_lowercase().as_str() {
                 "temporary" if yes => {
@@ -1697,6 +1695,14 @@ mod tests {
             Some(durable("orders"))
         );
         assert_eq!(parse("queue:orders"), Some(durable("orders")));
+        assert_eq!(
+            parse("exchange:Contracts:OrderPlaced?type=topic").map(|a| (a.exchange, a.kind)),
+            Some(("Contracts:OrderPlaced".to_owned(), "topic".to_owned()))
+        );
+        assert_eq!(
+            parse("rabbitmq://localhost/prod/order%20events"),
+            Some(durable("order events"))
+        );
         assert_eq!(
             parse("rabbitmq://localhost/host_app_bus_abc?temporary=true"),
             Some(SendAddress {

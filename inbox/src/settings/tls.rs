@@ -248,7 +248,8 @@ impl BrokerTls {
                 .map(|f| (f, "message_bus.tls_key_file".into())),
             server_name: bus.tls_server_name.clone(),
         };
-        for (name, value) in take_query_params(url, is_amqp_tls_param).1 {
+        for (name, value) in amqp_tls_params(url) {
+            let name = name.as_str();
             match name {
                 "cacertfile" => tls.ca_file = Some((value, key(name))),
                 "certfile" => tls.cert_file = Some((value, key(name))),
@@ -297,14 +298,49 @@ impl BrokerTls {
     }
 }
 
-/// `url` without the TLS parameters of RabbitMQ's URI spec (lapin reads
-/// none of them).
-pub(crate) fn without_amqp_tls_params(url: &str) -> String {
-    take_query_params(url, is_amqp_tls_param).0
+/// The TLS parameters of RabbitMQ's URI spec in broker `url`, names and
+/// values, decoded as lapin decodes the rest of its query (the `url`
+/// crate's `query_pairs`). None when `url` is not a URL: lapin says why
+/// when it connects.
+fn amqp_tls_params(url: &str) -> Vec<(String, String)> {
+    let Ok(url) = url::Url::parse(url) else {
+        return Vec::new();
+    };
+    url.query_pairs()
+        .filter(|(name, _)| is_amqp_tls_param(name))
+        .map(|(name, value)| (name.into_owned(), value.into_owned()))
+        .collect()
 }
 
-/// `url` without the parameters of its query that `taken` names, and those
-/// parameters, names and percent-decoded values, in order.
+/// Broker `url` without the TLS parameters of RabbitMQ's URI spec (lapin
+/// reads none of them); as it is when it has none, or is not a URL.
+pub(crate) fn without_amqp_tls_params(url: &str) -> String {
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    if !parsed.query_pairs().any(|(name, _)| is_amqp_tls_param(&name)) {
+        return url.to_owned();
+    }
+    let kept: Vec<(String, String)> = parsed
+        .query_pairs()
+        .filter(|(name, _)| !is_amqp_tls_param(name))
+        .map(|(name, value)| (name.into_owned(), value.into_owned()))
+        .collect();
+    match kept.is_empty() {
+        true => parsed.set_query(None),
+        false => {
+            parsed.query_pairs_mut().clear().extend_pairs(kept);
+        }
+    }
+    parsed.into()
+}
+
+/// `url`, a PostgreSQL URL, without the parameters of its query that
+/// `taken` names, and those parameters, names and percent-decoded values,
+/// in order. By hand rather than with the `url` crate: a PostgreSQL URL
+/// may name several hosts (`postgresql://a:5432,b:5433/db`), which is not
+/// a URL the `url` crate accepts, and libpq reads a `+` in a value as a
+/// `+`, where the `url` crate's `query_pairs` reads a space.
 fn take_query_params(url: &str, taken: impl Fn(&str) -> bool) -> (String, Vec<(&str, String)>) {
     let Some((head, query)) = url.split_once('?') else {
         return (url.to_owned(), Vec::new());

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use rabbit_inbox::Runtime;
-use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, MessageContext, UnitOfWork};
 
 use crate::batching::{counts, prefill_keys};
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
@@ -17,7 +17,12 @@ use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
 struct OutOfOrder;
 
 impl EventHandler<Counted> for OutOfOrder {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         let pause = if event.key % 50 == 0 {
             60
         } else {

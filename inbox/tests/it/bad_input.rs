@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use rabbit_inbox::Message;
+use rabbit_inbox::MessageContext;
 use rabbit_inbox::Runtime;
 use rabbit_inbox::internal::fault::headers;
 use rabbit_inbox::tools::lapin::BasicProperties;
@@ -280,6 +281,7 @@ async fn a_consumed_body_is_parsed_once_per_message_in_batches_and_alone() {
         async fn handle(
             &self,
             event: &Parsed,
+            _context: &MessageContext,
             uow: &mut rabbit_inbox::UnitOfWork,
         ) -> Result<(), rabbit_inbox::HandlerError> {
             crate::support::increment(uow, "counts", event.key).await

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rabbit_inbox::tools::lapin::BasicProperties;
 use rabbit_inbox::tools::lapin::options::BasicGetOptions;
 use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
-use rabbit_inbox::{EventHandler, HandlerError, Message, Runtime, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, Runtime, UnitOfWork};
 
 use crate::batching::{batching, prefill_keys};
 use crate::outbox::with_forward_queue;
@@ -18,8 +18,8 @@ use crate::support::{
 };
 
 /// Written as the README shows, for one message: reads the message it
-/// handles through `uow.context()` and stages a follow-up with
-/// `uow.publish`, whose body names the id it read (nil when it read none).
+/// handles through its `context` argument and stages a follow-up with
+/// `uow.publish`, whose body names the id it read.
 struct ForwardWithContext {
     forward: String,
 }
@@ -35,8 +35,13 @@ impl rabbit_inbox::IntegrationEvent for Forwarded {
 }
 
 impl EventHandler<Counted> for ForwardWithContext {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let source_message_id = uow.context().map(|c| c.message_id).unwrap_or_default();
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let source_message_id = context.message_id;
         let follow_up = Forwarded {
             key: event.key,
             source_message_id,
@@ -131,11 +136,22 @@ struct PublishesInBatch {
 }
 
 impl EventHandler<Counted> for PublishesInBatch {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        self.handle_batch(std::slice::from_ref(event), uow).await
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        self.handle_batch(std::slice::from_ref(event), std::slice::from_ref(context), uow)
+            .await
     }
 
-    async fn handle_batch(&self, events: &[Counted], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle_batch(
+        &self,
+        events: &[Counted],
+        _contexts: &[MessageContext],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         for event in events {
             uow.publish(&self.forward, &Message::new(event.clone())).await?;
         }
@@ -196,6 +212,7 @@ impl EventHandler<Counted> for PanicsOn {
     fn handle(
         &self,
         event: &Counted,
+        _context: &MessageContext,
         uow: &mut UnitOfWork,
     ) -> impl std::future::Future<Output = Result<(), HandlerError>> + Send {
         let poisoned = event.key == self.key;

@@ -7,7 +7,7 @@ use rabbit_inbox::internal::Envelope;
 use rabbit_inbox::internal::{DeliverBatch, Outcome};
 use rabbit_inbox::tools::AmqpPublisher;
 use rabbit_inbox::tools::lapin::options::{BasicGetOptions, BasicQosOptions};
-use rabbit_inbox::{EventHandler, HandlerError, Message, Settings, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, Settings, UnitOfWork};
 
 use crate::hosting::HandWrittenStore;
 use crate::support::{Count, Counted, TestEnv, Valid, amqp, declare, increment, wait_until};
@@ -55,7 +55,12 @@ struct FailsOnce {
 }
 
 impl EventHandler<Counted> for FailsOnce {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) < self.times.max(1) {
             if self.panic {
                 panic!("panics on purpose");
@@ -75,11 +80,22 @@ struct CountSetBased {
 }
 
 impl EventHandler<Counted> for CountSetBased {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        self.handle_batch(std::slice::from_ref(event), uow).await
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        self.handle_batch(std::slice::from_ref(event), std::slice::from_ref(context), uow)
+            .await
     }
 
-    async fn handle_batch(&self, events: &[Counted], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle_batch(
+        &self,
+        events: &[Counted],
+        _contexts: &[MessageContext],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         self.batch_sizes.lock().unwrap().push(events.len());
         if events.iter().any(|e| Some(e.key) == self.poison) {
             return Err("a poisoned key".into());
@@ -414,7 +430,12 @@ struct SwallowsAnError {
 }
 
 impl EventHandler<Counted> for SwallowsAnError {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == self.key {
             let _ignored = uow.client().batch_execute("SELECT 1/0").await;
         }
@@ -474,7 +495,12 @@ struct StallsThenFails {
 }
 
 impl EventHandler<Counted> for StallsThenFails {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == self.key {
             tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             return Err("the process died".into());
@@ -534,19 +560,29 @@ struct StuckOn {
 }
 
 impl EventHandler<Counted> for StuckOn {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == self.key && self.stuck.load(Ordering::SeqCst) {
             return Err("waits on a row lock, then times out".into());
         }
         increment(uow, "counts", event.key).await
     }
 
-    async fn handle_batch(&self, events: &[Counted], uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle_batch(
+        &self,
+        events: &[Counted],
+        contexts: &[MessageContext],
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if events.iter().any(|e| e.key == self.key) {
             self.batches_holding_key.lock().unwrap().push(events.len());
         }
-        for event in events {
-            self.handle(event, uow).await?;
+        for (event, context) in events.iter().zip(contexts) {
+            self.handle(event, context, uow).await?;
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use rabbit_inbox::internal::fault::headers;
 use rabbit_inbox::tools::error_queue;
 use rabbit_inbox::tools::lapin::BasicProperties;
 use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::outbox::with_forward_queue;
 use crate::support::{
@@ -295,7 +295,12 @@ struct StuckOn7 {
 }
 
 impl EventHandler<Counted> for StuckOn7 {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == 7 {
             self.calls_for_7.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_secs(3600)).await;

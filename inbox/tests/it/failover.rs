@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rabbit_inbox::tokio_postgres::{Client, NoTls};
-use rabbit_inbox::{EventHandler, HandlerError, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, MessageContext, UnitOfWork};
 use rabbit_inbox::{Runtime, StatsSnapshot};
 
 use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
@@ -35,7 +35,12 @@ struct Swap {
 }
 
 impl EventHandler<Counted> for SlowCount {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "counts", event.key).await?;
         if event.key == HELD_OPEN {
             self.swap.waiting.store(true, Ordering::SeqCst);

@@ -7,7 +7,7 @@ use rabbit_inbox::Runtime;
 use rabbit_inbox::internal::fault::headers;
 use rabbit_inbox::tools::AmqpPublisher;
 use rabbit_inbox::tools::{SetAside, error_queue, retry_queue};
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::support::{
     Count, Counted, TestEnv, Valid, amqp, crash_once_on, declare, delivered_before, header, increment,
@@ -24,7 +24,12 @@ struct Unreliable {
 }
 
 impl EventHandler<Counted> for Unreliable {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst);
         if self.broken.load(Ordering::SeqCst) || call < self.fail_first {
             return Err(format!("the ledger is closed (call {})", call + 1).into());

@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rabbit_inbox::Runtime;
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
@@ -16,7 +16,12 @@ struct Flaky {
 }
 
 impl EventHandler<Counted> for Flaky {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == self.key && self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
             if self.panic {
                 panic!("flaky handler panics on purpose");
@@ -134,7 +139,12 @@ struct FreshAfterPanic {
 }
 
 impl EventHandler<Counted> for FreshAfterPanic {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if self.broken.load(Ordering::SeqCst) {
             self.after_its_panic.fetch_add(1, Ordering::SeqCst);
         }

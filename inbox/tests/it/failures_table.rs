@@ -4,7 +4,7 @@
 
 use rabbit_inbox::Runtime;
 use rabbit_inbox::tools::lapin::BasicProperties;
-use rabbit_inbox::{EventHandler, HandlerError, Message, Permanent, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, Permanent, UnitOfWork};
 use uuid::Uuid;
 
 use crate::support::{Counted, TestEnv, Valid, increment, publish_to, wait_until};
@@ -13,7 +13,12 @@ use crate::support::{Counted, TestEnv, Valid, increment, publish_to, wait_until}
 struct RefuseLarge;
 
 impl EventHandler<Counted> for RefuseLarge {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key >= 100 {
             return Err(Permanent::new(format!("key {} is refused", event.key)).into());
         }

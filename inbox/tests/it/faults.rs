@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use rabbit_inbox::Message;
+use rabbit_inbox::MessageContext;
 use rabbit_inbox::Runtime;
 
 use crate::proxy::{broker_through_proxy, database_through_proxy};
@@ -192,6 +193,7 @@ impl rabbit_inbox::EventHandler<Counted> for CountAllBut {
     async fn handle(
         &self,
         event: &Counted,
+        _context: &MessageContext,
         uow: &mut rabbit_inbox::UnitOfWork,
     ) -> Result<(), rabbit_inbox::HandlerError> {
         if event.key == self.key {

@@ -8,7 +8,7 @@ use rabbit_inbox::internal::fault::headers;
 use rabbit_inbox::tools::lapin::BasicProperties;
 use rabbit_inbox::tools::lapin::types::{AMQPValue, FieldTable};
 use rabbit_inbox::tools::{error_queue, retry_queue};
-use rabbit_inbox::{EventHandler, HandlerError, Permanent, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, MessageContext, Permanent, UnitOfWork};
 use rabbit_inbox::{Runtime, StatsSnapshot};
 
 use crate::batching::{batching, counts, prefill_keys};
@@ -47,7 +47,12 @@ impl FailsFor {
 }
 
 impl EventHandler<Counted> for FailsFor {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key != self.key {
             return increment(uow, "counts", event.key).await;
         }
@@ -187,7 +192,12 @@ struct CountWithOptionalPart {
 }
 
 impl EventHandler<Counted> for CountWithOptionalPart {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         let scope = uow.nested().await?;
         let key = event.key;
         let sql = "INSERT INTO second_counts (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = second_counts.n + 1";

@@ -1,6 +1,6 @@
 use rabbit_inbox::Runtime;
 use rabbit_inbox::store::{InboxKey, InboxStore, StoreResult};
-use rabbit_inbox::{Message, Provider, UnitOfWork};
+use rabbit_inbox::{Message, MessageContext, Provider, UnitOfWork};
 
 use crate::support::{Captured, Count, Counted, TestEnv, Valid, wait_until};
 
@@ -188,6 +188,7 @@ impl rabbit_inbox::EventHandler<Counted> for RefusesNegativeKeys {
     async fn handle(
         &self,
         event: &Counted,
+        _context: &MessageContext,
         _uow: &mut UnitOfWork,
     ) -> std::result::Result<(), rabbit_inbox::HandlerError> {
         if event.key < 0 {

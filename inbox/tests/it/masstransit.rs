@@ -37,10 +37,13 @@ struct CountAndRemember {
 }
 
 impl EventHandler<Counted> for CountAndRemember {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        if let Some(context) = uow.context() {
-            self.seen.lock().unwrap().push(context.clone());
-        }
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        self.seen.lock().unwrap().push(context.clone());
         if event.key == 7 {
             return Err(Permanent::new("key 7 is refused").into());
         }
@@ -161,7 +164,12 @@ async fn a_producer_publishing_the_type_reaches_the_queue_through_masstransits_e
     }
     struct CountRouted;
     impl EventHandler<Routed> for CountRouted {
-        async fn handle(&self, event: &Routed, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        async fn handle(
+            &self,
+            event: &Routed,
+            _context: &MessageContext,
+            uow: &mut UnitOfWork,
+        ) -> Result<(), HandlerError> {
             increment(uow, "counts", event.key).await
         }
     }
@@ -209,7 +217,12 @@ async fn the_runtimes_publisher_publishes_as_masstransit_does_to_the_types_excha
     }
     struct CountAnnounced;
     impl EventHandler<Announced> for CountAnnounced {
-        async fn handle(&self, event: &Announced, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        async fn handle(
+            &self,
+            event: &Announced,
+            _context: &MessageContext,
+            uow: &mut UnitOfWork,
+        ) -> Result<(), HandlerError> {
             increment(uow, "counts", event.key).await
         }
     }
@@ -479,8 +492,13 @@ impl IntegrationEvent for Recorded {
 struct Forward;
 
 impl EventHandler<Counted> for Forward {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let source_message_id = uow.context().map(|c| c.message_id).unwrap_or_default();
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let source_message_id = context.message_id;
         let recorded = Recorded {
             key: event.key,
             source_message_id,
@@ -584,8 +602,13 @@ impl IntegrationEvent for RecordedInBatch {
 struct ForwardInBatch;
 
 impl EventHandler<Counted> for ForwardInBatch {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let source_message_id = uow.context().map(|c| c.message_id).unwrap_or_default();
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let source_message_id = context.message_id;
         let recorded = RecordedInBatch(Recorded {
             key: event.key,
             source_message_id,
@@ -779,12 +802,18 @@ struct RefusesOnce {
 }
 
 impl EventHandler<Counted> for RefusesOnce {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key == 7 {
-            let headers = uow
-                .context()
-                .map(|c| c.headers().iter().map(|(name, _)| name.to_owned()).collect())
-                .unwrap_or_default();
+            let headers = context
+                .headers()
+                .iter()
+                .map(|(name, _)| name.to_owned())
+                .collect();
             let first = {
                 let mut calls = self.calls.lock().unwrap();
                 calls.push(headers);
@@ -862,7 +891,12 @@ async fn a_message_that_lands_in_q_error_publishes_masstransits_fault_of_its_typ
     }
     struct Refuse;
     impl EventHandler<Faulted> for Refuse {
-        async fn handle(&self, _: &Faulted, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+        async fn handle(
+            &self,
+            _: &Faulted,
+            _context: &MessageContext,
+            _: &mut UnitOfWork,
+        ) -> Result<(), HandlerError> {
             Err(Permanent::new("refused").into())
         }
     }
@@ -1208,7 +1242,12 @@ impl IntegrationEvent for CheckedIn {
 struct CountCheckIn;
 
 impl EventHandler<CheckedIn> for CountCheckIn {
-    async fn handle(&self, event: &CheckedIn, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &CheckedIn,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "counts", event.attendee_id * 100 + event.session_id).await
     }
 }
@@ -1425,7 +1464,12 @@ impl IntegrationEvent for OrderEvent {
 struct CountShipped;
 
 impl EventHandler<OrderShipped> for CountShipped {
-    async fn handle(&self, event: &OrderShipped, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &OrderShipped,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         assert_eq!(event.carrier, "post", "read as its own type");
         increment(uow, "counts", event.order_id).await
     }
@@ -1435,11 +1479,13 @@ impl EventHandler<OrderShipped> for CountShipped {
 struct CountOrderEvents;
 
 impl EventHandler<OrderEvent> for CountOrderEvents {
-    async fn handle(&self, event: &OrderEvent, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        if uow
-            .context()
-            .is_none_or(|context| context.event_type != OrderEvent::TYPE)
-        {
+    async fn handle(
+        &self,
+        event: &OrderEvent,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        if context.event_type != OrderEvent::TYPE {
             return Err("the context names another type".into());
         }
         if event.order_id == 13 {
@@ -1529,19 +1575,34 @@ keyed_event!(PerQueueBoth, "Inbox.Tests.PerQueue:Both");
 struct CountIn(&'static str);
 
 impl EventHandler<PerQueueA> for CountIn {
-    async fn handle(&self, event: &PerQueueA, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &PerQueueA,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, self.0, event.key).await
     }
 }
 
 impl EventHandler<PerQueueB> for CountIn {
-    async fn handle(&self, event: &PerQueueB, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &PerQueueB,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, self.0, event.key).await
     }
 }
 
 impl EventHandler<PerQueueBoth> for CountIn {
-    async fn handle(&self, event: &PerQueueBoth, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &PerQueueBoth,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, self.0, event.key).await
     }
 }
@@ -1756,7 +1817,12 @@ struct ForwardTagged {
 }
 
 impl EventHandler<Tagged> for ForwardTagged {
-    async fn handle(&self, event: &Tagged, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Tagged,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         self.read.lock().unwrap().push(event.clone());
         if event.id == 7 {
             return Err(Permanent::new("seven is refused").into());
@@ -1867,7 +1933,12 @@ async fn a_masstransit_endpoint_starts_on_the_queues_the_service_declared_and_mo
     /// Counts each key; refuses 7.
     struct CountReturned;
     impl EventHandler<Returned> for CountReturned {
-        async fn handle(&self, event: &Returned, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+        async fn handle(
+            &self,
+            event: &Returned,
+            _context: &MessageContext,
+            uow: &mut UnitOfWork,
+        ) -> Result<(), HandlerError> {
             if event.key == 7 {
                 return Err(Permanent::new("key 7 is refused").into());
             }
@@ -2046,7 +2117,12 @@ impl IntegrationEvent for SeatEvent {
 struct TakeSeated;
 
 impl EventHandler<Seated> for TakeSeated {
-    async fn handle(&self, event: &Seated, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Seated,
+        _context: &MessageContext,
+        _: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         match event.key {
             2 => Err(Permanent::new("seat 2 is broken").into()),
             _ => Ok(()),
@@ -2058,7 +2134,12 @@ impl EventHandler<Seated> for TakeSeated {
 struct RefuseSeatEvents;
 
 impl EventHandler<SeatEvent> for RefuseSeatEvents {
-    async fn handle(&self, _: &SeatEvent, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &SeatEvent,
+        _context: &MessageContext,
+        _: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         Err(Permanent::new("no seats today").into())
     }
 }
@@ -2230,7 +2311,12 @@ impl IntegrationEvent for Boarded {
 struct Board;
 
 impl EventHandler<Counted> for Board {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         uow.publish("", &rabbit_inbox::Message::new(Boarded { key: event.key }))
             .await?;
         Ok(())

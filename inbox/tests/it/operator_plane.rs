@@ -11,7 +11,9 @@ use actix_web::http::StatusCode;
 use actix_web::test::{self, TestRequest};
 use rabbit_inbox::ops::access::Access;
 use rabbit_inbox::ops::{Filter, Operations, Operator, Role, Selection};
-use rabbit_inbox::{EventHandler, HandlerError, Message, Permanent, Runtime, Settings, UnitOfWork};
+use rabbit_inbox::{
+    EventHandler, HandlerError, Message, MessageContext, Permanent, Runtime, Settings, UnitOfWork,
+};
 use uuid::Uuid;
 
 use crate::support::{Counted, TestEnv, Valid, increment, wait_until};
@@ -23,7 +25,12 @@ struct RefuseUntilFixed {
 }
 
 impl EventHandler<Counted> for RefuseUntilFixed {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         if event.key >= 100 && !self.fixed.load(Ordering::SeqCst) {
             return Err(Permanent::new(format!("key {} is refused", event.key)).into());
         }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use rabbit_inbox::Runtime;
 use rabbit_inbox::tools::lapin::options::BasicGetOptions;
 use rabbit_inbox::tools::lapin::types::FieldTable;
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::support::{Counted, TestEnv, Valid, amqp, header, increment, publish_keys, wait_until};
 
@@ -19,7 +19,12 @@ struct CountAndForward {
 }
 
 impl EventHandler<Counted> for CountAndForward {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "counts", event.key).await?;
         uow.publish(
             &self.forward,
@@ -1124,14 +1129,16 @@ struct ForwardWithTenant {
 }
 
 impl EventHandler<Counted> for ForwardWithTenant {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let tenant = uow
-            .context()
-            .and_then(|c| {
-                c.headers()
-                    .get("tenant")
-                    .and_then(|v| v.as_text().map(str::to_owned))
-            })
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let tenant = context
+            .headers()
+            .get("tenant")
+            .and_then(|v| v.as_text().map(str::to_owned))
             .unwrap_or_default();
         let follow_up = Message::new(Counted {
             key: event.key + 1000,
@@ -1189,7 +1196,12 @@ struct SendOn {
 }
 
 impl EventHandler<Counted> for SendOn {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         uow.send(
             &self.queue,
             &Message::new(Counted {

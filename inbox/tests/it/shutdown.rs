@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rabbit_inbox::Runtime;
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
 use crate::support::{Count, Counted, TestEnv, Valid, increment, publish_keys, wait_until};
 
@@ -14,7 +14,12 @@ struct Slow {
 }
 
 impl EventHandler<Counted> for Slow {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         self.started.store(true, Ordering::SeqCst);
         tokio::time::sleep(self.pause).await;
         increment(uow, "counts", event.key).await

@@ -14,7 +14,8 @@ use rabbit_inbox::tools::lapin::options::{
 use rabbit_inbox::tools::lapin::types::FieldTable;
 use rabbit_inbox::tools::lapin::{BasicProperties, Connection, ConnectionProperties};
 use rabbit_inbox::{
-    EventHandler, HandlerError, IntegrationEvent, QueueSettings, Settings, UnitOfWork, ValidSettings,
+    EventHandler, HandlerError, IntegrationEvent, MessageContext, QueueSettings, Settings, UnitOfWork,
+    ValidSettings,
 };
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +33,12 @@ impl IntegrationEvent for Counted {
 pub(crate) struct Count;
 
 impl EventHandler<Counted> for Count {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "counts", event.key).await
     }
 }
@@ -41,7 +47,12 @@ impl EventHandler<Counted> for Count {
 pub(crate) struct CountAgain;
 
 impl EventHandler<Counted> for CountAgain {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "second_counts", event.key).await
     }
 }

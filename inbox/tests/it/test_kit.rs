@@ -3,16 +3,21 @@
 //! PostgreSQL transaction, no broker, and what the runtime would do.
 
 use rabbit_inbox::testing::{TestKit, Verdict};
-use rabbit_inbox::{EventHandler, HandlerError, Message, UnitOfWork};
+use rabbit_inbox::{EventHandler, HandlerError, Message, MessageContext, UnitOfWork};
 
-use crate::common::{AttendeeCheckedIn, CountCheckins, ForwardCheckins, SCHEMA};
+use crate::common::{AttendeeCheckedIn, CountAttendance, CountCheckins, ForwardCheckins, SCHEMA};
 use crate::support::TestEnv;
 
 /// A handler that panics.
 struct Panics;
 
 impl EventHandler<AttendeeCheckedIn> for Panics {
-    async fn handle(&self, _: &AttendeeCheckedIn, _: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &AttendeeCheckedIn,
+        _context: &MessageContext,
+        _: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         panic!("the ledger is gone")
     }
 }
@@ -85,5 +90,72 @@ async fn the_example_services_handlers_run_under_the_test_kit_as_the_runtime_wou
     assert!(
         matches!(&ran.verdict, Verdict::Retried { reason } if reason.contains("the ledger is gone")),
         "{ran:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn a_types_handlers_run_together_under_the_test_kit_and_fail_together() {
+    let env = TestEnv::new("test_kit_all").await;
+    let settings = env.settings();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    let lock_wait = settings.database.migration_lock_timeout;
+    rabbit_inbox::tools::migrate(&mut pool.get().await.unwrap(), false, SCHEMA, lock_wait)
+        .await
+        .unwrap();
+    let check_in = |attendee_id| {
+        Message::new(AttendeeCheckedIn {
+            attendee_id,
+            session_id: 3,
+        })
+    };
+    // Registered as the example service registers them.
+    let kit = TestKit::new(&settings)
+        .unwrap()
+        .handler::<AttendeeCheckedIn, _>(CountCheckins)
+        .handler::<AttendeeCheckedIn, _>(CountAttendance)
+        .handler::<AttendeeCheckedIn, _>(ForwardCheckins {
+            queue: "checkins.recorded".into(),
+        });
+
+    let ran = kit.deliver(check_in(7)).handled().await.unwrap();
+    assert_eq!(ran.verdict, Verdict::Committed);
+    assert_eq!(ran.staged.len(), 1, "{ran:?}");
+    assert_eq!(env.scalar("SELECT count(*) FROM attendee_checkins").await, 1);
+    assert_eq!(
+        env.scalar("SELECT attendees FROM session_attendance WHERE session_id = 3")
+            .await,
+        1
+    );
+
+    // The last handler panics: the first two's writes roll back with it.
+    let ran = kit
+        .clone()
+        .handler::<AttendeeCheckedIn, _>(Panics)
+        .deliver(check_in(8))
+        .handled()
+        .await
+        .unwrap();
+    assert!(
+        matches!(&ran.verdict, Verdict::Retried { reason } if reason.contains("the ledger is gone")),
+        "{ran:?}"
+    );
+    assert!(ran.staged.is_empty(), "{ran:?}");
+    assert_eq!(env.scalar("SELECT count(*) FROM attendee_checkins").await, 1);
+    assert_eq!(
+        env.scalar("SELECT attendees FROM session_attendance WHERE session_id = 3")
+            .await,
+        1
+    );
+
+    // A type the kit has no handler for is a test of nothing: refused.
+    let error = TestKit::new(&settings)
+        .unwrap()
+        .deliver(check_in(9))
+        .handled()
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("no handler for `AttendeeCheckedIn`"),
+        "{error}"
     );
 }

@@ -14,7 +14,9 @@ use rabbit_inbox::Runtime;
 use rabbit_inbox::tokio_postgres::Client;
 use rabbit_inbox::tools::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use rabbit_inbox::tools::lapin::types::FieldTable;
-use rabbit_inbox::{EventHandler, HandlerError, Message, QueueSettings, Settings, UnitOfWork};
+use rabbit_inbox::{
+    EventHandler, HandlerError, Message, MessageContext, QueueSettings, Settings, UnitOfWork,
+};
 
 use crate::support::{Captured, Counted, Valid, increment, wait_until};
 
@@ -139,7 +141,12 @@ struct CountAndForward {
 }
 
 impl EventHandler<Counted> for CountAndForward {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &Counted,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
         increment(uow, "counts", event.key).await?;
         uow.publish(&self.to, &Message::new(event.clone())).await?;
         Ok(())

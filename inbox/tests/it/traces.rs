@@ -22,8 +22,13 @@ struct Remember {
 }
 
 impl EventHandler<Counted> for Remember {
-    async fn handle(&self, event: &Counted, uow: &mut UnitOfWork) -> Result<(), HandlerError> {
-        let context = uow.context().cloned().ok_or("no context")?;
+    async fn handle(
+        &self,
+        event: &Counted,
+        context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        let context = context.clone();
         let attempt = context.attempt;
         self.seen.lock().unwrap().push(context);
         increment(uow, "counts", event.key).await?;
