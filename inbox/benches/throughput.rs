@@ -10,7 +10,15 @@
 //! cargo bench --bench throughput -- --outbox 50000
 //! cargo bench --bench throughput -- --light-load 200 [--seconds 10] [--repeat 5]
 //! cargo bench --bench throughput -- --goals [--repeat 5] [--count 20000]
+//! cargo bench --bench throughput -- --service [--against REV[,REV...]] [--repeat 5] [--count 20000]
+//! cargo bench --bench throughput -- --service --retention 10000000 [--repeat 5] [--count 20000]
 //! ```
+//!
+//! `--service` measures what users run: the example service as its own
+//! process, drained from outside, beside the hand-written loop and the
+//! broker's limit, and with `--against` other revisions' services in the
+//! same rounds; it ends with a `goal` line per target of that mode (see
+//! `throughput/service.rs`).
 //!
 //! Every scenario consumes the same pre-published check-in events (a share
 //! of them re-using an id already sent) from a fresh quorum queue until all
@@ -107,6 +115,8 @@
 
 #[path = "../examples/common/mod.rs"]
 mod common;
+#[path = "throughput/service.rs"]
+mod service;
 
 use std::collections::HashSet;
 use std::str::FromStr;
@@ -256,6 +266,20 @@ async fn run() -> Result<()> {
     }
     if common::arg("--outbox").is_some() {
         return outbox(common::parsed_arg("--outbox", 50_000)).await;
+    }
+    if std::env::args().any(|a| a == "--service") {
+        let options = service::Options {
+            count: common::parsed_arg("--count", 20_000),
+            dup_ratio: common::parsed_arg("--dup-ratio", 0.2),
+            repeat: common::parsed_arg("--repeat", 5),
+            against: common::arg("--against")
+                .map(|revisions| revisions.split(',').map(str::to_owned).collect())
+                .unwrap_or_default(),
+        };
+        return match common::arg("--retention") {
+            Some(_) => service::retention(options, common::parsed_arg("--retention", 10_000_000)).await,
+            None => service::compare(options).await,
+        };
     }
     let goals = std::env::args().any(|a| a == "--goals");
     if common::arg("--light-load").is_some() && !goals {
@@ -662,14 +686,19 @@ fn process_cpu(stat: &str, children: bool) -> Option<f64> {
     Some(total / 100.0)
 }
 
-fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String {
-    let cpu = match m.cpu {
+/// A line's CPU fields, where the CPU was read.
+fn cpu_fields(cpu: Option<CpuSplit>) -> String {
+    match cpu {
         Some(cpu) => format!(
             " cpu_us_per_msg_service={:.0} cpu_us_per_msg_postgres={:.0} cpu_us_per_msg_rabbitmq={:.0}",
             cpu.service, cpu.postgres, cpu.rabbitmq
         ),
         None => String::new(),
-    };
+    }
+}
+
+fn line(scenario: Scenario, count: usize, unique: usize, m: &Measured) -> String {
+    let cpu = cpu_fields(m.cpu);
     format!(
         "scenario={} messages={count} unique={unique} seconds={:.3} msgs_per_s={:.0} p50_ms={:.2} p99_ms={:.2} effects_ok={}{cpu}",
         scenario.name(),

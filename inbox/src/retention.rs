@@ -69,6 +69,9 @@ pub struct SweepReport {
     pub duration: Duration,
     /// The slowest single batch: how long a delete held its locks.
     pub longest_batch: Duration,
+    /// The time its statements took, all together; the rest of `duration`
+    /// it paused (`retention.busy_share`) or waited for a connection.
+    pub busy: Duration,
     /// Rows of `inbox_messages` left after the sweep (the table statistics'
     /// estimate once it has been analyzed), sampled by the one instance
     /// that swept.
@@ -127,7 +130,9 @@ pub(crate) async fn sweep(
                 .execute(&statement, &[&age_seconds, &limit])
                 .await
                 .map_err(Error::client)?;
-            report.longest_batch = report.longest_batch.max(batch_started.elapsed());
+            let took = batch_started.elapsed();
+            report.longest_batch = report.longest_batch.max(took);
+            report.busy += took;
             if deleted == 0 {
                 break;
             }
@@ -136,6 +141,9 @@ pub(crate) async fn sweep(
             if deleted < limit as u64 {
                 break;
             }
+            // Paced by what the statement took: a busy database slows
+            // the sweep, not the consumers.
+            tokio::time::sleep(retention.pause_after(took)).await;
         }
     }
     // Sampled by the one sweeper, under its lock: once per sweep, whatever

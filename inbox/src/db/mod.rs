@@ -1,12 +1,14 @@
 //! The inbox's connection pool, and the gate every connection the runtime
 //! takes goes through (`gate.rs`).
 
+mod connect;
 mod gate;
 
 use std::time::Instant;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 
+pub(crate) use connect::Connector;
 pub(crate) use gate::{Connection, Connections, Slot};
 
 use crate::error::{Error, Result};
@@ -39,9 +41,9 @@ pub(crate) fn create_dispatching_pool(settings: &Settings) -> Result<Pool> {
 }
 
 fn build_pool(settings: &Settings, config: tokio_postgres::Config) -> Result<Pool> {
-    let manager = Manager::from_config(
+    let manager = Manager::from_connect(
         config,
-        settings.pg_tls()?,
+        Connector::of(settings)?,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },

@@ -13,7 +13,7 @@ pub(crate) const CHANNEL: &str = "inbox_outbox";
 #[derive(Clone)]
 pub(crate) struct ListenTo {
     config: tokio_postgres::Config,
-    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    connector: crate::db::Connector,
 }
 
 impl ListenTo {
@@ -21,7 +21,7 @@ impl ListenTo {
     pub(crate) fn of(settings: &crate::Settings) -> crate::Result<Self> {
         Ok(Self {
             config: settings.pg_config()?,
-            tls: settings.pg_tls()?,
+            connector: crate::db::Connector::of(settings)?,
         })
     }
 }
@@ -46,7 +46,7 @@ pub(crate) async fn listen(
     let listening = async {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
         loop {
-            match to.config.connect(to.tls.clone()).await {
+            match to.connector.open(&to.config).await {
                 Ok((client, mut connection)) => {
                     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
                     // The LISTEN's answer comes through the connection,

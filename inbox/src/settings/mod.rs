@@ -629,6 +629,13 @@ pub struct RetentionSettings {
     /// transaction); a sweep deletes batches until nothing is due.
     /// Default 5000.
     pub batch_size: u32,
+    /// `busy_share`: the share of a sweep's time spent deleting, above 0
+    /// and at most 1: after a statement that took `t`, the sweep pauses
+    /// `t × (1 − busy_share) / busy_share` before the next, so that a large
+    /// backlog (retention turned on, or back after an outage) is deleted
+    /// beside consumption instead of taking the database from it. 1 deletes
+    /// back to back. Default 0.05.
+    pub busy_share: f64,
 }
 
 impl Default for RetentionSettings {
@@ -637,6 +644,7 @@ impl Default for RetentionSettings {
             days: 7,
             interval: Duration::from_secs(600),
             batch_size: 5000,
+            busy_share: 0.05,
         }
     }
 }
@@ -645,6 +653,11 @@ impl RetentionSettings {
     /// `days` as a duration.
     pub(crate) fn period(&self) -> Duration {
         Duration::from_secs(u64::from(self.days) * 24 * 60 * 60)
+    }
+
+    /// The pause after a statement that took `busy`: see `busy_share`.
+    pub(crate) fn pause_after(&self, busy: Duration) -> Duration {
+        busy.mul_f64((1.0 - self.busy_share) / self.busy_share)
     }
 }
 

@@ -33,6 +33,8 @@ pub(crate) enum SslMode {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct PgTls {
     pub(crate) mode: SslMode,
+    /// Whether the URL said `sslmode` (else `mode` is the default).
+    pub(crate) mode_given: bool,
     pub(crate) root_cert: Option<String>,
     pub(crate) cert: Option<String>,
     pub(crate) key: Option<String>,
@@ -49,7 +51,10 @@ impl PgTls {
         let mut tls = PgTls::default();
         let mut take = |key: &str, value: String| -> Result<()> {
             match key {
-                "sslmode" => tls.mode = parse_sslmode(&value)?,
+                "sslmode" => {
+                    tls.mode = parse_sslmode(&value)?;
+                    tls.mode_given = true;
+                }
                 "sslrootcert" => tls.root_cert = Some(value),
                 "sslcert" => tls.cert = Some(value),
                 "sslkey" => tls.key = Some(value),
@@ -412,6 +417,26 @@ impl MessageBusSettings {
 }
 
 impl Settings {
+    /// Whether a PostgreSQL connection tries clear text first: `sslmode`
+    /// unset and every host this machine's own (a loopback address,
+    /// `localhost`, a Unix socket), where TLS protects nothing and costs
+    /// the server about a fifth more CPU a message. See `db::connect`.
+    pub(crate) fn pg_clear_text_first(&self) -> bool {
+        let Ok((_, tls)) = PgTls::split(&self.database.url) else {
+            return false;
+        };
+        let Ok(config) = self.pg_config() else {
+            return false;
+        };
+        !tls.mode_given
+            && !config.get_hosts().is_empty()
+            && config.get_hosts().iter().all(|host| match host {
+                tokio_postgres::config::Host::Tcp(name) => is_loopback(name),
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(_) => true,
+            })
+    }
+
     /// What the start should say about the connections' security: a
     /// connection to a host other than this machine that is in clear text
     /// or does not verify the server. Empty when everything is verified.

@@ -226,6 +226,12 @@ impl RetentionSettings {
         if self.batch_size == 0 {
             return Err(Error::setting("retention.batch_size", "must be at least 1"));
         }
+        if !(self.busy_share > 0.0 && self.busy_share <= 1.0) {
+            return Err(Error::setting(
+                "retention.busy_share",
+                format!("must be above 0 and at most 1, not {}", self.busy_share),
+            ));
+        }
         Ok(())
     }
 }

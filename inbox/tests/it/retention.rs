@@ -50,9 +50,11 @@ async fn old_rows_go_and_recent_ones_stay_while_messages_are_processed() {
     for message in messages.iter().chain(messages.iter().step_by(4)) {
         runtime.publisher().publish(&env.queue, message).await.unwrap();
     }
-    wait_until("every copy is settled and the expired rows are gone", || async {
+    // The sweep's stats come once it ends: after its pause and the
+    // statement that finds nothing left.
+    wait_until("every copy is settled and the expired rows are swept", || async {
         let s = runtime.stats();
-        s.completed + s.duplicates == 250 && rows_of(&env, "expired").await == 0
+        s.completed + s.duplicates == 250 && s.swept_rows == 3000
     })
     .await;
     let stats = runtime.stats();
@@ -63,7 +65,7 @@ async fn old_rows_go_and_recent_ones_stay_while_messages_are_processed() {
         (200, 50),
         "nothing lost, nothing twice"
     );
-    assert_eq!(stats.swept_rows, 3000);
+    assert_eq!(rows_of(&env, "expired").await, 0);
     assert_eq!(
         rows_of(&env, "recent").await,
         500,
@@ -90,6 +92,8 @@ async fn two_instances_sweeping_one_database_at_once_do_not_both_delete() {
         .unwrap();
     let mut retention = settings.retention.clone();
     retention.batch_size = 100;
+    // Back to back: this is about the lock, not the pace.
+    retention.busy_share = 1.0;
     for round in 0..5 {
         backdated_rows(&env, "expired", 5000, 8).await;
         let (a, b) = tokio::join!(
@@ -217,4 +221,29 @@ async fn a_sweep_samples_the_rows_left_and_the_oldest_ones_age() {
         .unwrap();
     assert_eq!(report.inbox_rows, 25);
     pool.close();
+}
+
+/// A sweep pauses after each statement in proportion to what it took
+/// (`retention.busy_share`): a backlog is deleted beside consumption
+/// instead of taking the database from it.
+#[actix_rt::test]
+async fn a_sweep_pauses_between_its_statements_in_proportion_to_them() {
+    let env = TestEnv::new("retention_paced").await;
+    let settings = env.settings();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    rabbit_inbox::internal::run_migrations(&mut pool.get().await.unwrap())
+        .await
+        .unwrap();
+    backdated_rows(&env, "expired", 2000, 8).await;
+    let mut retention = settings.retention.clone();
+    retention.batch_size = 200;
+    retention.busy_share = 0.25;
+    let report = rabbit_inbox::internal::sweep(&pool, &retention).await.unwrap();
+    assert_eq!((report.rows, report.batches), (2000, 10), "{report:?}");
+    assert_eq!(rows_of(&env, "expired").await, 0);
+    // Three times each statement's time after each of them but the last
+    // (the one that found fewer than a batch, or none): at least three
+    // times the whole but the longest, whatever the machine's pace.
+    let paused_at_least = report.busy.saturating_sub(report.longest_batch) * 3;
+    assert!(report.duration >= report.busy + paused_at_least, "{report:?}");
 }

@@ -511,3 +511,58 @@ fn the_example_service_runs_on_tls_only_servers() {
         drop_database(servers, name).await;
     });
 }
+
+/// Whether `pool`'s connection is encrypted, as the server sees it.
+async fn encrypted(pool: &rabbit_inbox::tools::deadpool_postgres::Pool) -> bool {
+    pool.get()
+        .await
+        .unwrap()
+        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Where `sslmode` is unset and the database is on this machine, the
+/// connection is clear text (TLS there protects nothing and costs the
+/// server CPU on every message), unless the server refuses clear text:
+/// then TLS. A URL that says `sslmode` gets what it says.
+#[actix_rt::test]
+async fn a_loopback_database_without_sslmode_is_clear_text_unless_it_takes_tls_only() {
+    let env = crate::support::TestEnv::new("tls_loopback").await;
+    let mut settings = env.settings();
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    assert!(!encrypted(&pool).await, "clear text on loopback");
+
+    let server_offers_tls: String = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SHOW ssl", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let separator = if settings.database.url.contains('?') {
+        '&'
+    } else {
+        '?'
+    };
+    settings.database.url = format!("{}{separator}sslmode=prefer", settings.database.url);
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    assert_eq!(
+        encrypted(&pool).await,
+        server_offers_tls == "on",
+        "sslmode=prefer said: TLS where the server offers it"
+    );
+
+    // The TLS-only server, on this machine too, no sslmode.
+    let servers = servers();
+    let mut settings = Settings::default();
+    settings.database.url = format!("postgres://postgres@localhost:{}/postgres", servers.pg_port);
+    let pool = rabbit_inbox::tools::create_pool(&settings).unwrap();
+    assert!(encrypted(&pool).await, "TLS where clear text is refused");
+    // A second connection, opened while the first is held, goes straight
+    // to TLS.
+    let _held = pool.get().await.unwrap();
+    assert!(encrypted(&pool).await, "and for the next connection");
+}
