@@ -1,8 +1,8 @@
 //! Opening a PostgreSQL connection, the pool's and the outbox listener's
 //! alike, as `database.url` says, with one rule of this library's own:
-//! where `sslmode` is unset and every host is this machine's own, clear
-//! text first, and TLS only when the server refuses clear text (libpq's
-//! `allow`). libpq's default, `prefer`, would encrypt a loopback
+//! where no TLS parameter is given (`sslmode`, `sslrootcert`, `sslcert`,
+//! `sslkey`) and every host is this machine's own, clear text first, and
+//! TLS only when the server refuses clear text (libpq's `allow`). libpq's default, `prefer`, would encrypt a loopback
 //! connection to a server that offers TLS, which protects nothing there
 //! (whoever can read loopback traffic is root on the machine) and costs
 //! the server about a fifth more CPU a message. A URL that says `sslmode`

@@ -750,3 +750,30 @@ fn a_queue_changes_the_failure_policy_key_by_key_and_a_bad_key_is_named_under_it
     let err = Settings::load_layered(&dir, None, vars(&[])).unwrap_err();
     assert!(err.to_string().contains("queues[0].failure.delays"), "{err}");
 }
+
+#[test]
+fn only_a_database_on_this_machine_with_no_tls_asked_for_tries_clear_text_first() {
+    let clear_first = |url: &str| {
+        let mut settings = Settings::default();
+        settings.database.url = url.into();
+        settings.pg_clear_text_first()
+    };
+    for url in [
+        "postgres://app@127.0.0.1/orders",
+        "postgres://app@localhost:5433/orders",
+        "postgres://app@[::1]/orders",
+        "host=127.0.0.1 user=app dbname=orders",
+    ] {
+        assert!(clear_first(url), "{url}");
+    }
+    for url in [
+        "postgres://app@127.0.0.1/orders?sslmode=prefer",
+        "postgres://app@127.0.0.1/orders?sslrootcert=/ca.pem",
+        "postgres://app@localhost/orders?sslcert=/c.pem&sslkey=/c.key",
+        "postgres://app@db.example.com/orders",
+        "postgres://app@127.0.0.1:5432,db2:5432/orders",
+        "host=db.example.com user=app",
+    ] {
+        assert!(!clear_first(url), "{url}");
+    }
+}

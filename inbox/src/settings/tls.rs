@@ -417,10 +417,11 @@ impl MessageBusSettings {
 }
 
 impl Settings {
-    /// Whether a PostgreSQL connection tries clear text first: `sslmode`
-    /// unset and every host this machine's own (a loopback address,
-    /// `localhost`, a Unix socket), where TLS protects nothing and costs
-    /// the server about a fifth more CPU a message. See `db::connect`.
+    /// Whether a PostgreSQL connection tries clear text first: no TLS
+    /// parameter given (a CA or a client certificate says TLS is meant)
+    /// and every host this machine's own (a loopback address, `localhost`,
+    /// a Unix socket), where TLS protects nothing and costs the server
+    /// about a fifth more CPU a message. See `db::connect`.
     pub(crate) fn pg_clear_text_first(&self) -> bool {
         let Ok((_, tls)) = PgTls::split(&self.database.url) else {
             return false;
@@ -428,7 +429,8 @@ impl Settings {
         let Ok(config) = self.pg_config() else {
             return false;
         };
-        !tls.mode_given
+        let tls_asked = tls.mode_given || tls.root_cert.is_some() || tls.cert.is_some() || tls.key.is_some();
+        !tls_asked
             && !config.get_hosts().is_empty()
             && config.get_hosts().iter().all(|host| match host {
                 tokio_postgres::config::Host::Tcp(name) => is_loopback(name),
