@@ -2,7 +2,7 @@
 //! counts check-ins per attendee and attendance per session, exactly once.
 //!
 //! ```text
-//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--abort-on-attendee ID]
+//! cargo run --example checkin_service [-- --queue NAME] [--batch-size N] [--prefetch N] [--abort-on-attendee ID]
 //!     [--forward-to QUEUE] [--http ADDR [--ops-tokens FILE]] [--wire inbox|masstransit]
 //! cargo run --example checkin_service -- --remove [--queue NAME]
 //! ```
@@ -17,6 +17,8 @@
 //! up to 8 (group commit, `queues[].batch_size`), which the handlers write
 //! with one set-based statement each; `--batch-size N` sets the size, and
 //! `--batch-size 1` processes each message in its own transaction.
+//! `--prefetch N` sets how many deliveries may be in flight (default 16,
+//! `queues[].prefetch`).
 //!
 //! `--forward-to QUEUE` declares QUEUE (durable, quorum) and, for every
 //! check-in it records, stages one `CheckinRecorded` follow-up for QUEUE
@@ -97,7 +99,8 @@ async fn main() -> std::process::ExitCode {
 }
 
 /// What `--help` prints.
-const USAGE: &str = "usage: checkin_service [--queue NAME] [--batch-size N] [--abort-on-attendee ID]
+const USAGE: &str =
+    "usage: checkin_service [--queue NAME] [--batch-size N] [--prefetch N] [--abort-on-attendee ID]
                        [--forward-to QUEUE] [--http ADDR [--ops-tokens FILE]] [--wire inbox|masstransit]
        checkin_service --remove [--queue NAME] [--wire inbox|masstransit]
 (inbox/examples/checkin_service.rs says what each does)";
@@ -108,6 +111,7 @@ async fn run() -> common::Result<()> {
         &[
             "queue",
             "batch-size",
+            "prefetch",
             "abort-on-attendee",
             "forward-to",
             "http",
@@ -144,11 +148,15 @@ async fn run() -> common::Result<()> {
     if let Some(name) = common::own_database(&settings) {
         common::create_database(&settings, &name).await?;
     }
-    if common::arg("--batch-size").is_some() {
-        let size = common::parsed_arg("--batch-size", 1u16);
+    // Together, so that a batch larger than the default window is checked
+    // against the window given beside it.
+    let prefetch = common::arg("--prefetch").map(|_| common::parsed_arg("--prefetch", 16u16));
+    let batch_size = common::arg("--batch-size").map(|_| common::parsed_arg("--batch-size", 1u16));
+    if prefetch.is_some() || batch_size.is_some() {
         settings = settings.with(|settings| {
             for queue in &mut settings.queues {
-                queue.batch_size = size;
+                queue.prefetch = prefetch.unwrap_or(queue.prefetch);
+                queue.batch_size = batch_size.unwrap_or(queue.batch_size);
             }
         })?;
     }

@@ -8,7 +8,8 @@
 //!   run them, at the service's default prefetch (16);
 //! - the example service (`examples/checkin_service.rs`, built in release)
 //!   at its defaults (`service_default`), with `--batch-size 1`
-//!   (`service_one`) and with `--wire masstransit` (`service_masstransit`);
+//!   (`service_one`), with `--wire masstransit` (`service_masstransit`)
+//!   and with `--prefetch 32 --batch-size 16` (`service_wide`);
 //! - with `--against REV[,REV...]`, each revision's example service with
 //!   `--batch-size 1` (`REV:one`), built in a worktree of its own under
 //!   `target/against/`: the one-message path across revisions.
@@ -357,6 +358,14 @@ pub(super) fn runs(head: &Build, against: &[Build]) -> Vec<Run> {
             &["--wire", "masstransit"],
             Wire::Masstransit,
         ),
+        // A wider window and larger batches: the lever in-process runs
+        // found for the defaults.
+        run(
+            "service_wide".into(),
+            head,
+            &["--prefetch", "32", "--batch-size", "16"],
+            Wire::Inbox,
+        ),
     ];
     for build in against {
         runs.push(run(
@@ -472,6 +481,8 @@ pub(super) async fn compare(options: Options) -> Result<()> {
         ("service_one", "handwritten"),
         ("service_default", "raw"),
         ("service_masstransit", "service_default"),
+        ("service_wide", "handwritten"),
+        ("service_wide", "raw"),
     ]
     .into_iter()
     .map(|(a, b)| (a.to_owned(), b.to_owned()))
