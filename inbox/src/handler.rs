@@ -81,6 +81,20 @@ pub trait EventHandler<E: IntegrationEvent>: Send + Sync + 'static {
         uow: &mut UnitOfWork,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         async move {
+            // A caller of its own (an override's `handle` delegating here)
+            // that passed fewer contexts would have events skipped and
+            // their messages acked without their effect.
+            if events.len() != contexts.len() {
+                return Err(crate::Error::new(
+                    crate::ErrorKind::Usage,
+                    format!(
+                        "`handle_batch` given {} events and {} contexts: one context per event",
+                        events.len(),
+                        contexts.len()
+                    ),
+                )
+                .into());
+            }
             for (i, (event, context)) in events.iter().zip(contexts).enumerate() {
                 uow.focus(Some(i));
                 let handled = self.handle(event, context, uow).await;

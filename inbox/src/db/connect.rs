@@ -2,18 +2,18 @@
 //! alike, as `database.url` says, with one rule of this library's own:
 //! where no TLS parameter is given (`sslmode`, `sslrootcert`, `sslcert`,
 //! `sslkey`) and every host is this machine's own, clear text first, and
-//! TLS only when the server refuses clear text (libpq's `allow`). libpq's default, `prefer`, would encrypt a loopback
-//! connection to a server that offers TLS, which protects nothing there
-//! (whoever can read loopback traffic is root on the machine) and costs
-//! the server about a fifth more CPU a message. A URL that says `sslmode`
-//! gets exactly what it says.
+//! what libpq's default (`prefer`) does only when the server refuses it
+//! (libpq's `allow`). `prefer` would encrypt a loopback connection to a
+//! server that offers TLS, which protects nothing there (whoever can read
+//! loopback traffic is root on the machine) and costs the server about a
+//! fifth more CPU a message. A URL that gives a TLS parameter gets exactly
+//! what it says.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_util::future::BoxFuture;
 use tokio_postgres::config::SslMode;
-use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{Client, Config, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -31,10 +31,10 @@ pub(crate) type Opened = (
 #[derive(Clone)]
 pub(crate) struct Connector {
     tls: MakeRustlsConnect,
-    /// `sslmode` unset and every host this machine's own.
+    /// No TLS parameter given and every host this machine's own.
     clear_text_first: bool,
-    /// Set once the server refused clear text: TLS from then on, without
-    /// asking again.
+    /// Set once the server refused clear text and took `prefer`: straight
+    /// to `prefer` from then on, without asking again.
     refuses_clear_text: Arc<AtomicBool>,
 }
 
@@ -59,30 +59,29 @@ impl Connector {
     /// A connection as `config` says, clear text first where the rule
     /// above applies.
     pub(crate) async fn open(&self, config: &Config) -> std::result::Result<Opened, tokio_postgres::Error> {
-        if self.clear_text_first && !self.refuses_clear_text.load(Ordering::Relaxed) {
-            let mut clear = config.clone();
-            clear.ssl_mode(SslMode::Disable);
-            match clear.connect(self.tls.clone()).await {
-                Err(e) if refused_for_clear_text(&e) => {
-                    tracing::debug!(
-                        "the database refuses clear text on this machine's loopback; TLS from now on"
-                    );
-                    self.refuses_clear_text.store(true, Ordering::Relaxed);
-                }
-                opened => return opened,
+        if !self.clear_text_first || self.refuses_clear_text.load(Ordering::Relaxed) {
+            return config.connect(self.tls.clone()).await;
+        }
+        let mut clear = config.clone();
+        clear.ssl_mode(SslMode::Disable);
+        match clear.connect(self.tls.clone()).await {
+            // Unreachable, or a timeout: TLS would not reach it either.
+            Err(e) if e.as_db_error().is_none() => Err(e),
+            Ok(opened) => Ok(opened),
+            // Refused by the server, in whatever words and language: a
+            // `hostssl`-only pg_hba.conf, a pooler that requires TLS. Asked
+            // as `prefer` would ask; if that is refused too, its refusal is
+            // the one to report, as it would have been without this rule.
+            Err(_) => {
+                let opened = config.connect(self.tls.clone()).await?;
+                tracing::debug!(
+                    "the database refuses clear text on this machine's loopback; TLS from now on"
+                );
+                self.refuses_clear_text.store(true, Ordering::Relaxed);
+                Ok(opened)
             }
         }
-        config.connect(self.tls.clone()).await
     }
-}
-
-/// Whether the server refused a connection because it was not encrypted
-/// (a `hostssl`-only `pg_hba.conf`: "no pg_hba.conf entry for host ..., no
-/// encryption").
-fn refused_for_clear_text(error: &tokio_postgres::Error) -> bool {
-    error.as_db_error().is_some_and(|e| {
-        *e.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION && e.message().contains("no encryption")
-    })
 }
 
 impl deadpool_postgres::Connect for Connector {

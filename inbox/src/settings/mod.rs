@@ -629,8 +629,8 @@ pub struct RetentionSettings {
     /// transaction); a sweep deletes batches until nothing is due.
     /// Default 5000.
     pub batch_size: u32,
-    /// `busy_share`: the share of a sweep's time spent deleting, above 0
-    /// and at most 1: after a statement that took `t`, the sweep pauses
+    /// `busy_share`: the share of a sweep's time spent deleting, from 0.01
+    /// to 1: after a statement that took `t`, the sweep pauses
     /// `t × (1 − busy_share) / busy_share` before the next, so that a large
     /// backlog (retention turned on, or back after an outage) is deleted
     /// beside consumption instead of taking the database from it. 1 deletes

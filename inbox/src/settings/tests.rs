@@ -159,6 +159,7 @@ fn invalid_values_name_their_key() {
         ("INBOX__RETENTION__DAYS", "4294967295", "retention.days"),
         ("INBOX__RETENTION__INTERVAL", "0s", "retention.interval"),
         ("INBOX__RETENTION__BUSY_SHARE", "0", "retention.busy_share"),
+        ("INBOX__RETENTION__BUSY_SHARE", "1e-300", "retention.busy_share"),
         ("INBOX__RETENTION__BUSY_SHARE", "1.5", "retention.busy_share"),
         (
             "INBOX__FAILURE__IMMEDIATE_RETRIES",

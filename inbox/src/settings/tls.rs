@@ -83,6 +83,12 @@ impl PgTls {
         Ok((rest, tls))
     }
 
+    /// Whether the URL gives any TLS parameter: a mode, a CA or a client
+    /// certificate all say TLS is meant.
+    pub(crate) fn asks_for_tls(&self) -> bool {
+        self.mode_given || self.root_cert.is_some() || self.cert.is_some() || self.key.is_some()
+    }
+
     /// tokio-postgres's mode: whether TLS is off, offered or required.
     pub(crate) fn wire_mode(&self) -> tokio_postgres::config::SslMode {
         use tokio_postgres::config::SslMode as Wire;
@@ -429,8 +435,7 @@ impl Settings {
         let Ok(config) = self.pg_config() else {
             return false;
         };
-        let tls_asked = tls.mode_given || tls.root_cert.is_some() || tls.cert.is_some() || tls.key.is_some();
-        !tls_asked
+        !tls.asks_for_tls()
             && !config.get_hosts().is_empty()
             && config.get_hosts().iter().all(|host| match host {
                 tokio_postgres::config::Host::Tcp(name) => is_loopback(name),

@@ -226,10 +226,12 @@ impl RetentionSettings {
         if self.batch_size == 0 {
             return Err(Error::setting("retention.batch_size", "must be at least 1"));
         }
-        if !(self.busy_share > 0.0 && self.busy_share <= 1.0) {
+        // At least 0.01: a pause of at most 99 times a statement, never a
+        // product past what a `Duration` holds.
+        if !(MIN_BUSY_SHARE..=1.0).contains(&self.busy_share) {
             return Err(Error::setting(
                 "retention.busy_share",
-                format!("must be above 0 and at most 1, not {}", self.busy_share),
+                format!("must be from {MIN_BUSY_SHARE} to 1, not {}", self.busy_share),
             ));
         }
         Ok(())
@@ -308,6 +310,9 @@ pub(crate) const MAX_DELIVERY_LIMIT: u32 = i32::MAX as u32;
 
 /// The longest timeout PostgreSQL takes: `INT_MAX` milliseconds.
 const MAX_PG_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// The least `retention.busy_share`: see `RetentionSettings::validate`.
+const MIN_BUSY_SHARE: f64 = 0.01;
 
 /// The longest retention: a century. Past it, the sweep's cutoff would
 /// leave PostgreSQL's range of timestamps.

@@ -159,3 +159,50 @@ async fn a_types_handlers_run_together_under_the_test_kit_and_fail_together() {
         "{error}"
     );
 }
+
+/// A handler with only `handle`, so the default `handle_batch`.
+struct Inner;
+
+impl EventHandler<AttendeeCheckedIn> for Inner {
+    async fn handle(
+        &self,
+        _: &AttendeeCheckedIn,
+        _context: &MessageContext,
+        _: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+/// Composes `Inner` through its default `handle_batch`, forgetting the
+/// contexts: a mistake that would skip the event.
+struct ForgetsContexts;
+
+impl EventHandler<AttendeeCheckedIn> for ForgetsContexts {
+    async fn handle(
+        &self,
+        event: &AttendeeCheckedIn,
+        _context: &MessageContext,
+        uow: &mut UnitOfWork,
+    ) -> Result<(), HandlerError> {
+        Inner.handle_batch(std::slice::from_ref(event), &[], uow).await
+    }
+}
+
+#[actix_rt::test]
+async fn a_batch_given_fewer_contexts_than_events_fails_rather_than_skip_an_event() {
+    let env = TestEnv::new("test_kit_contexts").await;
+    let kit = TestKit::new(&env.settings()).unwrap();
+    let ran = kit
+        .deliver(Message::new(AttendeeCheckedIn {
+            attendee_id: 1,
+            session_id: 1,
+        }))
+        .handled_by(&ForgetsContexts)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&ran.verdict, Verdict::Retried { reason } if reason.contains("1 events and 0 contexts")),
+        "{ran:?}"
+    );
+}
