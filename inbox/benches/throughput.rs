@@ -31,9 +31,9 @@
 //! - `inbox_off`: the runtime with the inbox off (duplicates run twice, so
 //!   `effects_ok=false` whenever there are duplicates).
 //! - `inbox_on`: the runtime, one message per transaction (`batch_size = 1`).
-//! - `inbox_default`: the runtime with the queue's default settings: group
-//!   commit (`batch_size` 8, `concurrent_batches` 1), the handlers' set-based
-//!   `handle_batch`.
+//! - `inbox_default`: the runtime with the queue's default settings, window
+//!   included: group commit (`prefetch` 32, `batch_size` 16,
+//!   `concurrent_batches` 1), the handlers' set-based `handle_batch`.
 //! - `masstransit`: `inbox_on` on MassTransit's wire: the same events in
 //!   MassTransit 8's envelope, as a MassTransit producer publishes them to
 //!   the type's exchange (`Conference.Contracts:AttendeeCheckedIn`), read
@@ -219,17 +219,28 @@ struct Workload {
 }
 
 impl Workload {
+    /// Its messages' ids as this crate makes them (time-ordered, version 7).
     fn new(count: usize, dup_ratio: f64) -> Self {
+        Self::with_ids(count, dup_ratio, service::Ids::TimeOrdered)
+    }
+
+    fn with_ids(count: usize, dup_ratio: f64, ids: service::Ids) -> Self {
         let mut random = Seeded::new(0x2545_f491_4f6c_dd1d);
+        let mut new_ids = service::NewIds::default();
         let mut messages: Vec<Message<AttendeeCheckedIn>> = Vec::with_capacity(count);
         for _ in 0..count {
             let message = if !messages.is_empty() && random.chance(dup_ratio) {
                 messages[random.below(messages.len() as u64) as usize].clone()
             } else {
-                Message::new(AttendeeCheckedIn {
+                let event = AttendeeCheckedIn {
                     attendee_id: 1 + random.below(5000) as i64,
                     session_id: 1 + random.below(50) as i64,
-                })
+                };
+                match ids {
+                    service::Ids::TimeOrdered => Message::new(event),
+                    service::Ids::Random => Message::with_id(uuid::Uuid::new_v4(), event),
+                    service::Ids::NewId => Message::with_id(new_ids.next(), event),
+                }
             };
             messages.push(message);
         }
@@ -276,10 +287,16 @@ async fn run() -> Result<()> {
                 .map(|revisions| revisions.split(',').map(str::to_owned).collect())
                 .unwrap_or_default(),
         };
-        return match common::arg("--retention") {
-            Some(_) => service::retention(options, common::parsed_arg("--retention", 10_000_000)).await,
-            None => service::compare(options).await,
+        // With `--retention`, both in one run: every target's goal line.
+        let templates = match common::arg("--retention") {
+            Some(_) => Some(service::templates(common::parsed_arg("--retention", 10_000_000)).await?),
+            None => None,
         };
+        service::compare(&options).await?;
+        if let Some(templates) = templates {
+            service::retention(&options, templates).await?;
+        }
+        return Ok(());
     }
     let goals = std::env::args().any(|a| a == "--goals");
     if common::arg("--light-load").is_some() && !goals {
@@ -365,9 +382,14 @@ async fn run() -> Result<()> {
             let mut for_runtime = settings.clone();
             for_runtime.queues = vec![queue.clone()];
             for_runtime.message_bus.wire = wire;
-            if scenario != Scenario::InboxDefault {
+            match scenario {
+                // The queue's defaults whole, its window included (the
+                // others share `--prefetch`).
+                Scenario::InboxDefault => {
+                    for_runtime.queues[0].prefetch = QueueSettings::new("defaults").prefetch;
+                }
                 // One message per transaction, unless the scenario says.
-                for_runtime.queues[0].batch_size = 1;
+                _ => for_runtime.queues[0].batch_size = 1,
             }
             let steal_before = cpu_steal();
             let cpu_before = CpuSplit::sample();

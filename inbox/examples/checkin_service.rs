@@ -14,10 +14,10 @@
 //! beside it, then exits: what the quickstart created, gone.
 //!
 //! The deliveries that are ready together commit together, in batches of
-//! up to 8 (group commit, `queues[].batch_size`), which the handlers write
+//! up to 16 (group commit, `queues[].batch_size`), which the handlers write
 //! with one set-based statement each; `--batch-size N` sets the size, and
 //! `--batch-size 1` processes each message in its own transaction.
-//! `--prefetch N` sets how many deliveries may be in flight (default 16,
+//! `--prefetch N` sets how many deliveries may be in flight (default 32,
 //! `queues[].prefetch`).
 //!
 //! `--forward-to QUEUE` declares QUEUE (durable, quorum) and, for every
@@ -88,6 +88,10 @@ use tracing_subscriber::EnvFilter;
 async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        // Colours for a terminal only: a log file or collector gets plain
+        // `key=value` lines, and each message's span fields are formatted
+        // without escape codes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     match run().await {
         Ok(()) => std::process::ExitCode::SUCCESS,

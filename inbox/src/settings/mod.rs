@@ -288,9 +288,12 @@ pub struct DatabaseSettings {
     /// secret; a trailing newline is dropped), replacing the one in `url`.
     /// Not with `password`. Default unset.
     pub password_file: Option<String>,
-    /// `pool_size`: connections in the inbox pool. Each message in flight
-    /// holds one, so keep it at least the sum of the queues' `prefetch`.
-    /// Default 20.
+    /// `pool_size`: connections in the inbox pool. A batch in flight holds
+    /// one (two per queue at the default `prefetch` and `batch_size`), and
+    /// so does each message processed alone (`batch_size = 1`, a message
+    /// that left its batch): keep it at least the sum of the queues'
+    /// `prefetch` where messages go alone, or wait for connections there.
+    /// Connections are opened as needed. Default 20.
     pub pool_size: usize,
     /// `run_migrations`: create or update the inbox's tables at startup.
     /// Default `true`.
@@ -395,7 +398,9 @@ pub struct QueueSettings {
     /// Default: the queue name.
     #[serde(default)]
     pub consumer: Option<String>,
-    /// `prefetch`: how many deliveries may be in flight at once. Default 16.
+    /// `prefetch`: how many deliveries may be in flight at once: with the
+    /// default `batch_size`, two batches, one filling while the other
+    /// commits. Default 32.
     #[serde(default = "default_prefetch")]
     pub prefetch: u16,
     /// `kind`: `quorum` or `classic`. Default: `quorum` on this library's
@@ -411,7 +416,7 @@ pub struct QueueSettings {
     /// that a failing message is rolled back and retried alone. A batch
     /// never waits for more deliveries: it takes those that are ready now
     /// (a message arriving alone is processed alone, at once), and more
-    /// gather only while another batch of the queue is running. Default 8;
+    /// gather only while another batch of the queue is running. Default 16;
     /// 1 processes each message in its own transaction, and up to
     /// `prefetch` of them at once: better for handlers that wait on
     /// something slow (a batch runs its messages' handlers one after the
@@ -498,7 +503,7 @@ fn default_delivery_limit() -> u32 {
 }
 
 fn default_batch_size() -> u16 {
-    8
+    16
 }
 
 fn default_concurrent_batches() -> u16 {
@@ -506,7 +511,7 @@ fn default_concurrent_batches() -> u16 {
 }
 
 fn default_prefetch() -> u16 {
-    16
+    32
 }
 
 impl QueueSettings {

@@ -64,7 +64,8 @@ fn vars(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
 #[test]
 fn batches_are_the_default_and_never_hold_more_than_prefetch() {
     for (prefetch, batch_size, limit, in_flight) in [
-        (16, None, 8, 2),
+        (32, None, 16, 2),
+        (16, None, 16, 1),
         (1, None, 1, 1),
         (4, None, 4, 1),
         (8, Some(9), 8, 1),
@@ -220,7 +221,7 @@ fn invalid_queues_name_their_entry() {
             "queues[0].batch_size",
         ),
         (
-            "[[queues]]\nname = \"a\"\nbatch_size = 8\nconcurrent_batches = 3\n".to_string(),
+            "[[queues]]\nname = \"a\"\nprefetch = 16\nbatch_size = 8\nconcurrent_batches = 3\n".to_string(),
             "queues[0].concurrent_batches",
         ),
         (
