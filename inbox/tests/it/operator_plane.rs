@@ -859,10 +859,28 @@ async fn a_redrive_whose_messages_fail_again_pauses_itself_and_says_why() {
         ops.job(job.id).await.is_ok_and(|job| job.status == "done")
     })
     .await;
-    wait_until("what it redrove after the fix is applied", || async {
-        env.scalar("SELECT count(*) FROM counts WHERE key >= 100").await == held
-    })
+    // Each message it redrove is applied once or failed again, none lost,
+    // none twice: the held ones after the fix, and one redriven before
+    // the pause may still have been in flight then, and applied after.
+    wait_until(
+        "what it redrove is applied or failed again, once each",
+        || async {
+            let failed_again = ops.job(job.id).await.map_or(0, |job| job.failed_again);
+            env.scalar("SELECT count(*) FROM counts WHERE key >= 100").await + failed_again == 30
+        },
+    )
     .await;
+    let applied = env.scalar("SELECT count(*) FROM counts WHERE key >= 100").await;
+    assert!(
+        applied >= held,
+        "every held message is applied after the fix ({applied} of {held})"
+    );
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM counts WHERE key >= 100 AND n <> 1")
+            .await,
+        0,
+        "none applied twice"
+    );
     runtime.shutdown().await;
 }
 
