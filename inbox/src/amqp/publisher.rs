@@ -446,8 +446,10 @@ impl AmqpPublisher {
         body: &[u8],
         mandatory: bool,
     ) -> Result<()> {
-        let id = properties.message_id().as_ref().map(|id| id.as_str().to_owned());
-        let message_id = id.clone().unwrap_or_else(|| "none".to_owned());
+        let message_id = properties
+            .message_id()
+            .as_ref()
+            .map_or_else(|| "none".to_owned(), |id| id.as_str().to_owned());
         let refused = |reason: String| Error::refused(message_id.clone(), routing_key.to_owned(), reason);
         let options = BasicPublishOptions {
             // With it, an unroutable message comes back instead of vanishing.
@@ -474,12 +476,7 @@ impl AmqpPublisher {
                 reason,
             )
         })?;
-        let confirmed = async {
-            let confirm = channel
-                .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
-                .await?;
-            confirms.wait(id, confirm).await
-        };
+        let confirmed = confirms.publish(&channel, (exchange, routing_key), options, body, properties);
         let Some(confirmed) =
             confirmed_unless_silent(confirmed, || connection.status().blocked(), self.confirm_timeout).await
         else {
