@@ -67,6 +67,12 @@ impl Connector {
         match clear.connect(self.tls.clone()).await {
             // Unreachable, or a timeout: TLS would not reach it either.
             Err(e) if e.as_db_error().is_none() => Err(e),
+            // Refused for what it is, not how it came: no slot left
+            // (53300, which the pool's gate reads), a server starting or
+            // shutting down. Asked again in TLS, it would double the
+            // connections at the moment the server has none to spare, and a
+            // slot freed in between would switch this machine to TLS for good.
+            Err(e) if refused_whatever_the_encryption(&e) => Err(e),
             Ok(opened) => Ok(opened),
             // Refused by the server, in whatever words and language: a
             // `hostssl`-only pg_hba.conf, a pooler that requires TLS. Asked
@@ -82,6 +88,15 @@ impl Connector {
             }
         }
     }
+}
+
+/// Whether the server refused for a reason encryption does not change:
+/// insufficient resources (class 53: too many connections, out of memory)
+/// or operator intervention (class 57: starting up, shutting down).
+fn refused_whatever_the_encryption(error: &tokio_postgres::Error) -> bool {
+    error
+        .as_db_error()
+        .is_some_and(|e| matches!(&e.code().code()[..2], "53" | "57"))
 }
 
 impl deadpool_postgres::Connect for Connector {
@@ -101,5 +116,48 @@ impl deadpool_postgres::Connect for Connector {
             });
             Ok((client, driving))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A role with no connection left, on this machine's PostgreSQL: the
+    /// refusal comes back as it is (53300, for the pool's gate), and the
+    /// connector does not take it for a server that refuses clear text.
+    #[tokio::test]
+    async fn no_slot_left_is_not_read_as_a_refusal_of_clear_text() {
+        let settings = Settings::default();
+        let connector = Connector::of(&settings).unwrap();
+        assert!(connector.clear_text_first, "the default URL is this machine's");
+        let role = format!("inbox_no_slot_{}", std::process::id());
+        let (admin, connection) = tokio_postgres::connect(&settings.database.url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        admin
+            .batch_execute(&format!("CREATE ROLE {role} LOGIN CONNECTION LIMIT 0"))
+            .await
+            .unwrap();
+        let mut config: Config = settings.database.url.parse().unwrap();
+        config.user(&role);
+        let refused = connector.open(&config).await.map(|_| ()).unwrap_err();
+        admin.batch_execute(&format!("DROP ROLE {role}")).await.unwrap();
+        assert_eq!(
+            refused.code(),
+            Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
+        );
+        assert!(
+            refused_whatever_the_encryption(&refused),
+            "53300 is returned at once, never asked again in TLS"
+        );
+        assert!(!connector.refuses_clear_text.load(Ordering::Relaxed));
+        // A refusal of who connects and how (pg_hba.conf, a role) is asked
+        // again as `prefer`: it may be the encryption that was refused.
+        config.user("inbox_no_such_role");
+        let unknown = connector.open(&config).await.map(|_| ()).unwrap_err();
+        assert!(unknown.as_db_error().is_some(), "{unknown}");
+        assert!(!refused_whatever_the_encryption(&unknown), "{unknown}");
     }
 }
