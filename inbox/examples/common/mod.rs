@@ -66,6 +66,8 @@ pub(crate) const COUNT_ATTENDANCES: &str = "INSERT INTO session_attendance (sess
 pub(crate) trait CheckIn: IntegrationEvent {
     /// What is forwarded for it (`--forward-to`).
     type Recorded: IntegrationEvent;
+    /// A check-in of `attendee_id` at `session_id` (the publisher's).
+    fn new(attendee_id: i64, session_id: i64) -> Self;
     fn attendee_id(&self) -> i64;
     fn session_id(&self) -> i64;
     /// Its follow-up, for the message `source_message_id`.
@@ -74,6 +76,12 @@ pub(crate) trait CheckIn: IntegrationEvent {
 
 impl CheckIn for AttendeeCheckedIn {
     type Recorded = CheckinRecorded;
+    fn new(attendee_id: i64, session_id: i64) -> Self {
+        Self {
+            attendee_id,
+            session_id,
+        }
+    }
     fn attendee_id(&self) -> i64 {
         self.attendee_id
     }
@@ -124,6 +132,12 @@ pub(crate) mod masstransit {
 
     impl super::CheckIn for AttendeeCheckedIn {
         type Recorded = CheckinRecorded;
+        fn new(attendee_id: i64, session_id: i64) -> Self {
+            Self {
+                attendee_id,
+                session_id,
+            }
+        }
         fn attendee_id(&self) -> i64 {
             self.attendee_id
         }

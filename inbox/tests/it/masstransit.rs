@@ -700,10 +700,16 @@ async fn in_a_batch_each_follow_up_carries_its_own_messages_conversation_and_ini
     connection.close(200, "done".into()).await.unwrap();
 }
 
+/// Held by the tests of the example service on MassTransit's wire: their
+/// queues are bound to the one exchange of its check-in type, shared
+/// across the broker, so that each would take the others' check-ins.
+static CHECK_IN_EXCHANGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[actix_rt::test]
 async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
     const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
     const RECORDED: &str = "Conference.Contracts:CheckinRecorded";
+    let _exchange = CHECK_IN_EXCHANGE.lock().await;
     let mut env = TestEnv::new("mt_example").await;
     let forward = env.another_queue("recorded");
     let mut service = start_service(
@@ -791,6 +797,68 @@ async fn the_example_service_speaks_masstransit_with_wire_masstransit() {
             .await
             .unwrap();
     }
+    connection.close(200, "done".into()).await.unwrap();
+}
+
+#[actix_rt::test]
+async fn the_publish_example_speaks_masstransit_with_wire_masstransit() {
+    const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
+    let _exchange = CHECK_IN_EXCHANGE.lock().await;
+    let env = TestEnv::new("mt_publish_example").await;
+    // `publish --wire masstransit` before the service ever ran (it declares
+    // the endpoint), then again while the service consumes the queue it
+    // declared: both as a MassTransit producer publishes, to the type's
+    // exchange, and none set aside.
+    let publish = |count: &str| {
+        let output = std::process::Command::new(crate::support::example("publish"))
+            .args(["--queue", &env.queue, "--wire", "masstransit", "--count", count])
+            .current_dir(crate::support::REPOSITORY)
+            .output()
+            .expect("the publish example runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "publish --wire masstransit failed: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        stdout
+            .split_whitespace()
+            .find_map(|field| field.strip_prefix("expected_checkins="))
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no expected_checkins in: {stdout}"))
+    };
+    let before = publish("40");
+    let mut service = start_service(&env.database, &env.queue, &["--wire", "masstransit"]);
+    let (started, log) = consumes(&mut service);
+    assert!(started, "the service did not start:\n{log}");
+    let expected = before + publish("30");
+    let checkins = || async {
+        env.db()
+            .await
+            .query_one(
+                "SELECT coalesce(sum(checkins), 0)::bigint FROM attendee_checkins",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    wait_until("every published check-in is counted", || async {
+        checkins().await >= expected
+    })
+    .await;
+    let _ = service.kill();
+    let _ = service.wait();
+    assert_eq!(checkins().await, expected, "each unique check-in once");
+    let error = Wire::Masstransit.error_queue(&env.queue);
+    assert_eq!(env.ready(&error).await, 0, "nothing set aside");
+
+    let connection = amqp().await;
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_delete(CHECKED_IN.into(), Default::default())
+        .await
+        .unwrap();
     connection.close(200, "done".into()).await.unwrap();
 }
 
@@ -1126,6 +1194,7 @@ async fn an_endpoint_masstransit_declared_is_taken_over_as_it_is_and_its_waiting
 #[actix_rt::test]
 async fn the_example_takes_over_a_masstransit_endpoint_and_sets_a_crash_looping_message_aside() {
     const CHECKED_IN: &str = "Conference.Contracts:AttendeeCheckedIn";
+    let _exchange = CHECK_IN_EXCHANGE.lock().await;
     const POISON: i64 = 4_660_001;
     let env = TestEnv::new("mt_take_over_example").await;
     declare_as_masstransit(&env.queue, &[CHECKED_IN]).await;

@@ -453,12 +453,18 @@ pub(crate) const REPOSITORY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 
 /// The example service's binary, which `cargo test` builds with the tests.
 pub(crate) fn checkin_service() -> std::path::PathBuf {
+    example("checkin_service")
+}
+
+/// Example `name`'s binary, which `cargo test` builds with the tests.
+pub(crate) fn example(name: &str) -> std::path::PathBuf {
     let deps = std::env::current_exe().unwrap();
     let path = deps
         .parent()
         .and_then(|d| d.parent())
         .unwrap()
-        .join("examples/checkin_service");
+        .join("examples")
+        .join(name);
     assert!(
         path.exists(),
         "{} is not built: cargo build --examples",
