@@ -5,7 +5,10 @@
 //! Each round runs, in turn, on the same pre-published workload:
 //!
 //! - `raw` (consume and ack, no database) in this process at the service's
-//!   default prefetch (32), and `raw_64` at 64;
+//!   default prefetch (32), `raw_64` at 64, and `raw_masstransit` at 32 on
+//!   MassTransit's messages as a MassTransit producer publishes them, from
+//!   a classic queue as the service's on that wire (the broker's limit
+//!   for that wire);
 //! - `handwritten` (the loop) in this process at [`LOOP_PREFETCH`];
 //! - the example service (`examples/checkin_service.rs`, built in release)
 //!   at its defaults (`service_default`), with `--batch-size 1`
@@ -39,7 +42,7 @@ use std::time::{Duration, Instant};
 use rabbit_inbox::tools::lapin::options::QueueDeclareOptions;
 use rabbit_inbox::tools::lapin::types::FieldTable;
 use rabbit_inbox::tools::lapin::{Channel, Connection};
-use rabbit_inbox::{QueueSettings, Settings, Wire};
+use rabbit_inbox::{QueueKind, QueueSettings, Settings, Wire};
 
 use super::{CpuSplit, Error, Measured, Pool, Result, Workload};
 
@@ -559,11 +562,12 @@ pub(super) async fn compare(options: &Options) -> Result<()> {
     let workload = Workload::new(options.count, options.dup_ratio);
     let count = options.count;
 
-    // (name, the limit or the loop, prefetch)
+    // (name, the limit or the loop, prefetch, wire)
     let in_process_runs = [
-        ("raw", true, prefetch),
-        ("handwritten", false, LOOP_PREFETCH),
-        ("raw_64", true, 64),
+        ("raw", true, prefetch, Wire::Inbox),
+        ("handwritten", false, LOOP_PREFETCH, Wire::Inbox),
+        ("raw_64", true, 64, Wire::Inbox),
+        ("raw_masstransit", true, prefetch, Wire::Masstransit),
     ];
     let mut names: Vec<String> = in_process_runs
         .iter()
@@ -579,8 +583,8 @@ pub(super) async fn compare(options: &Options) -> Result<()> {
     for round in 0..options.repeat {
         for (i, name) in names.iter().enumerate() {
             let measured = match in_process_runs.get(i) {
-                Some(&(_, limit, prefetch)) => {
-                    in_process(limit, prefetch, &settings, &connection, &pool, &workload).await?
+                Some(&(_, limit, prefetch, wire)) => {
+                    in_process(limit, prefetch, wire, &settings, &connection, &pool, &workload).await?
                 }
                 None => {
                     drain(
@@ -611,6 +615,8 @@ pub(super) async fn compare(options: &Options) -> Result<()> {
         ("service_one", "handwritten"),
         ("service_default", "raw"),
         ("service_masstransit", "service_default"),
+        ("raw_masstransit", "raw"),
+        ("service_masstransit", "raw_masstransit"),
         ("service_16_8", "handwritten"),
         ("service_default", "service_16_8"),
         ("service_64_16", "handwritten"),
@@ -687,10 +693,14 @@ pub(super) async fn compare(options: &Options) -> Result<()> {
 }
 
 /// `raw` (`limit`) or `handwritten` in this process, as `run` runs them,
-/// with this process's CPU as the service's.
+/// with this process's CPU as the service's. On MassTransit's `wire` (the
+/// limit only), the queue is classic, as the service's is on that wire,
+/// and takes what a MassTransit producer publishes to the type's
+/// exchange: the broker's limit for MassTransit's messages.
 async fn in_process(
     limit: bool,
     prefetch: u16,
+    wire: Wire,
     settings: &Settings,
     connection: &Connection,
     pool: &Pool,
@@ -700,10 +710,21 @@ async fn in_process(
         .await?
         .batch_execute("TRUNCATE attendee_checkins, session_attendance, inbox_messages")
         .await?;
-    let queue = loop_queue(if limit { "raw" } else { "handwritten" }, prefetch);
+    let mut queue = loop_queue(if limit { "raw" } else { "handwritten" }, prefetch);
+    // The kind of queue the service consumes on this wire: classic on
+    // MassTransit's, as a MassTransit endpoint declares it.
+    queue.kind = Some(QueueKind::default_on(wire));
     let channel = connection.create_channel().await?;
     rabbit_inbox::tools::declare_topology(&channel, &queue, &settings.failure).await?;
-    super::prefill(connection, &queue.name, workload).await?;
+    match wire {
+        Wire::Inbox => super::prefill(connection, &queue.name, workload).await?,
+        Wire::Masstransit => {
+            use rabbit_inbox::IntegrationEvent;
+            let exchange = crate::common::masstransit::AttendeeCheckedIn::TYPE;
+            rabbit_inbox::tools::bind_to_fanout(&channel, &queue.name, exchange).await?;
+            super::prefill_masstransit(connection, workload).await?;
+        }
+    }
     checkpoint(pool).await?;
     let count = workload.messages.len();
     let before = CpuSplit::sample();
