@@ -8,29 +8,19 @@
 //! absence a failure. `INBOX_OPS_SCREENSHOT=FILE` saves a screenshot of
 //! the page (README's).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use rabbit_inbox::tools::lapin::BasicProperties;
 use uuid::Uuid;
 
-use crate::support::{TestEnv, free_port, publish_to, start_ops_service, wait_until};
+use crate::support::{Killed, TestEnv, free_port, publish_to, start_ops_service, wait_until};
 
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const CHROMIUM: &str = "/usr/bin/chromium";
 const OPERATOR: &str = "alice-operator-token-0123";
 const READER: &str = "bob-reader-token-0123456";
-
-/// Kills its process when dropped, pass or fail.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 async fn browser() -> Option<(Client, Killed)> {
     if !std::path::Path::new(CHROMEDRIVER).exists() || !std::path::Path::new(CHROMIUM).exists() {

@@ -473,9 +473,35 @@ pub(crate) fn example(name: &str) -> std::path::PathBuf {
     path
 }
 
-/// Starts the example service on database `database` and queue `queue`.
-pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> std::process::Child {
-    std::process::Command::new(checkin_service())
+/// A child process killed when dropped, pass or fail: a test that panics
+/// while its service runs would otherwise leave it consuming, and taking
+/// the messages of the tests after it that share a type's exchange.
+pub(crate) struct Killed(pub(crate) std::process::Child);
+
+impl std::ops::Deref for Killed {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the example service on database `database` and queue `queue`;
+/// it is killed when the handle is dropped.
+pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> Killed {
+    let child = std::process::Command::new(checkin_service())
         .args(["--queue", queue])
         .args(extra)
         .current_dir(crate::support::REPOSITORY)
@@ -484,7 +510,8 @@ pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> std:
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
-        .expect("the example service starts")
+        .expect("the example service starts");
+    Killed(child)
 }
 
 /// Starts the example service with the operator plane (`--http ADDRESS
