@@ -122,15 +122,28 @@ impl deadpool_postgres::Connect for Connector {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tls::{Roots, Verify};
 
-    /// A role with no connection left, on this machine's PostgreSQL: the
-    /// refusal comes back as it is (53300, for the pool's gate), and the
-    /// connector does not take it for a server that refuses clear text.
+    /// A role with no connection left, on this machine's PostgreSQL. The
+    /// connector's TLS trusts only the system's CAs, which this server's
+    /// certificate is not signed by, and asks for TLS (`require`): an
+    /// attempt in TLS fails on the handshake, with no SQLSTATE, so the
+    /// error that comes back tells which attempt made it. No slot left
+    /// comes back as it is (53300, for the pool's gate), never asked again
+    /// in TLS; a refusal of who connects is asked again.
     #[tokio::test]
     async fn no_slot_left_is_not_read_as_a_refusal_of_clear_text() {
         let settings = Settings::default();
-        let connector = Connector::of(&settings).unwrap();
-        assert!(connector.clear_text_first, "the default URL is this machine's");
+        assert!(
+            Connector::of(&settings).unwrap().clear_text_first,
+            "the default URL is this machine's"
+        );
+        let tls = crate::tls::client_config(&Verify::Full(Roots::System), None).unwrap();
+        let connector = Connector {
+            tls: MakeRustlsConnect::new(Arc::unwrap_or_clone(tls)),
+            clear_text_first: true,
+            refuses_clear_text: Arc::default(),
+        };
         let role = format!("inbox_no_slot_{}", std::process::id());
         let (admin, connection) = tokio_postgres::connect(&settings.database.url, tokio_postgres::NoTls)
             .await
@@ -141,23 +154,24 @@ mod tests {
             .await
             .unwrap();
         let mut config: Config = settings.database.url.parse().unwrap();
-        config.user(&role);
-        let refused = connector.open(&config).await.map(|_| ()).unwrap_err();
+        config.user(&role).ssl_mode(SslMode::Require);
+        let refused = connector.open(&config).await.map(|_| ());
         admin.batch_execute(&format!("DROP ROLE {role}")).await.unwrap();
+        let refused = refused.unwrap_err();
         assert_eq!(
             refused.code(),
-            Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
-        );
-        assert!(
-            refused_whatever_the_encryption(&refused),
-            "53300 is returned at once, never asked again in TLS"
+            Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS),
+            "the clear-text attempt's refusal, not a TLS attempt's: {refused}"
         );
         assert!(!connector.refuses_clear_text.load(Ordering::Relaxed));
         // A refusal of who connects and how (pg_hba.conf, a role) is asked
-        // again as `prefer`: it may be the encryption that was refused.
+        // again in TLS: it may be the encryption that was refused. Here
+        // that attempt fails on the handshake.
         config.user("inbox_no_such_role");
         let unknown = connector.open(&config).await.map(|_| ()).unwrap_err();
-        assert!(unknown.as_db_error().is_some(), "{unknown}");
-        assert!(!refused_whatever_the_encryption(&unknown), "{unknown}");
+        assert!(
+            unknown.as_db_error().is_none(),
+            "asked again in TLS, which fails here: {unknown}"
+        );
     }
 }

@@ -156,7 +156,7 @@ async fn an_operator_filters_opens_redrives_and_discards_and_a_reader_sees_no_ac
     let port = free_port();
     let address = format!("127.0.0.1:{port}");
     let base = format!("http://{address}");
-    let service = Killed(start_ops_service(&env.database, &env.queue, &address, &tokens));
+    let service = start_ops_service(&env.database, &env.queue, &address, &tokens);
 
     // Three check-ins the service refuses (negative attendees), and a
     // message of a type it does not know.

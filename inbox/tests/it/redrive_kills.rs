@@ -3,21 +3,20 @@
 //! its messages, each SIGKILLed and restarted midway. Every check-in is
 //! applied once.
 
-use std::process::Child;
 use std::time::Duration;
 
 use rabbit_inbox::ops::{Filter, Operations, Operator, Role, Selection};
 use rabbit_inbox::tools::lapin::BasicProperties;
 use uuid::Uuid;
 
-use crate::support::{TestEnv, free_port, publish_to, start_ops_service, wait_until};
+use crate::support::{Killed, TestEnv, free_port, publish_to, start_ops_service, wait_until};
 
 const CHECKINS: i64 = 200;
 /// From here on, attendees are refused while the constraint stands.
 const REFUSED_FROM: i64 = 900_000;
 
 struct Service {
-    child: Child,
+    child: Killed,
 }
 
 impl Service {
@@ -31,12 +30,6 @@ impl Service {
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 

@@ -518,13 +518,8 @@ pub(crate) fn start_service(database: &str, queue: &str, extra: &[&str]) -> Kill
 /// --ops-tokens TOKENS`) on database `database` and queue `queue`, with
 /// the tests' settings (a refused message walks its retries in about a
 /// second).
-pub(crate) fn start_ops_service(
-    database: &str,
-    queue: &str,
-    address: &str,
-    tokens: &Path,
-) -> std::process::Child {
-    std::process::Command::new(checkin_service())
+pub(crate) fn start_ops_service(database: &str, queue: &str, address: &str, tokens: &Path) -> Killed {
+    let child = std::process::Command::new(checkin_service())
         .args(["--queue", queue, "--http", address, "--ops-tokens"])
         .arg(tokens)
         .current_dir(crate::support::REPOSITORY)
@@ -533,7 +528,8 @@ pub(crate) fn start_ops_service(
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
-        .expect("the example service starts")
+        .expect("the example service starts");
+    Killed(child)
 }
 
 /// A free port on loopback.
