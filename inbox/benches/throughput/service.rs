@@ -173,14 +173,39 @@ fn succeed(command: &mut Command, what: &str) -> Result<()> {
     }
 }
 
+/// `cargo build --release --example checkin_service`, without the variables
+/// cargo set for this bench's own process (`CARGO_MANIFEST_DIR`,
+/// `CARGO_PKG_*`, ...): build scripts that watch them (ring's does) would
+/// see them change, and this build and the next `cargo bench` would each
+/// rebuild the dependency tree.
+fn cargo_build_example() -> Command {
+    let mut command = Command::new("cargo");
+    command.args(["build", "--release", "--example", "checkin_service"]);
+    let set_for_a_target = |name: &str| {
+        name.starts_with("CARGO_PKG_")
+            || matches!(
+                name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+            )
+    };
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_for_a_target) {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
 /// The example service of this checkout, built in release.
 pub(super) fn build_head() -> Result<Build> {
     let root = workspace();
     eprintln!("service: building the example service (release)");
     succeed(
-        Command::new("cargo")
-            .args(["build", "--release", "--example", "checkin_service"])
-            .current_dir(&root),
+        cargo_build_example().current_dir(&root),
         "cargo build --release --example checkin_service",
     )?;
     Ok(Build {
@@ -216,8 +241,7 @@ pub(super) fn build_revision(revision: &str) -> Result<Build> {
     }
     eprintln!("service: building {label}'s example service (release)");
     succeed(
-        Command::new("cargo")
-            .args(["build", "--release", "--example", "checkin_service"])
+        cargo_build_example()
             .env("CARGO_TARGET_DIR", against.join("target"))
             .current_dir(&tree),
         &format!("building {label}"),
